@@ -1,0 +1,48 @@
+"""fp8train: float8 training for PyTorch by module swap.
+
+    from fp8train import convert_to_float8_training, Float8LinearConfig
+    model = convert_to_float8_training(model, config=Float8LinearConfig())
+
+Everything not listed in __all__ (the op table, the cast internals, the autograd.Function) is
+private and may change.
+"""
+
+from fp8train import ops as _ops  # noqa: F401  registers Float8Tensor's op table
+from fp8train.cast import to_float8
+from fp8train.config import (
+    CastConfig,
+    Float8GemmConfig,
+    Float8LinearConfig,
+    Gemm,
+    Role,
+    ScalingGranularity,
+    ScalingType,
+)
+from fp8train.convert import convert_to_float8_training
+from fp8train.linear import Float8Linear
+from fp8train.matmul import float8_matmul
+from fp8train.numerics import compute_error
+from fp8train.tensor import Float8Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # configuration
+    "CastConfig",
+    "Float8GemmConfig",
+    "Float8LinearConfig",
+    "Gemm",
+    "Role",
+    "ScalingGranularity",
+    "ScalingType",
+    # top-level UX
+    "convert_to_float8_training",
+    # modules and tensors
+    "Float8Linear",
+    "Float8Tensor",
+    # functional
+    "float8_matmul",
+    "to_float8",
+    # numerics
+    "compute_error",
+]

@@ -1,0 +1,90 @@
+"""hp -> float8 and back: the one cast path every role and every gemm goes through.
+
+Shapes (M = tokens, K = in_features, N = out_features): input (M, K), weight (N, K),
+grad_output (M, N). A rowwise scale is taken along the inner dim of the gemm the operand
+feeds, so the same tensor can need a different cast for each of its two gemms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8train.config import CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
+from fp8train.scaling import amax, amax_to_scale
+from fp8train.tensor import Float8Tensor
+
+# The dim each operand is reduced along for rowwise scales: its inner dim in that gemm.
+_INNER_DIM: dict[tuple[Role, Gemm], int] = {
+    (Role.INPUT, Gemm.OUTPUT): -1,  # input @ weight.T: K
+    (Role.WEIGHT, Gemm.OUTPUT): -1,  # K
+    (Role.GRAD_OUTPUT, Gemm.GRAD_INPUT): -1,  # grad_output @ weight: N
+    (Role.WEIGHT, Gemm.GRAD_INPUT): 0,  # N
+    (Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): 0,  # grad_output.T @ input: M
+    (Role.INPUT, Gemm.GRAD_WEIGHT): 0,  # M
+}
+
+
+def to_float8(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
+    *,
+    reduce_dim: int | None = None,
+    round_scales_to_power_of_2: bool = False,
+) -> Float8Tensor:
+    """Cast `hp` to float8 with a dynamic scale from its amax (reduced along `reduce_dim`
+    for rowwise)."""
+    scale = amax_to_scale(
+        amax(hp, granularity, reduce_dim),
+        float8_dtype,
+        round_to_power_of_2=round_scales_to_power_of_2,
+    )
+    return quantize(hp, scale, float8_dtype, granularity)
+
+
+def quantize(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    float8_dtype: torch.dtype,
+    granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
+) -> Float8Tensor:
+    """`saturate(hp * scale)` in float8, with a given scale."""
+    fp8_max = torch.finfo(float8_dtype).max
+    # Saturate before the cast: float8_e4m3fn has no inf, an overflow would become NaN.
+    data = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(float8_dtype)
+    return Float8Tensor(data, scale, hp.dtype, granularity)
+
+
+def cast_key(config: Float8LinearConfig, role: Role, gemm: Gemm) -> tuple | None:
+    """Two (role, gemm) pairs with the same key need the same float8 tensor, so one cast
+    serves both. None: the operand is not cast."""
+    cast = config.cast_config(role, gemm)
+    if not cast.enabled:
+        return None
+    rowwise = cast.scaling_granularity is ScalingGranularity.ROWWISE
+    return (cast, _INNER_DIM[(role, gemm)] if rowwise else None)
+
+
+def cast_for_gemm(
+    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig
+) -> torch.Tensor:
+    """`hp` (2-D, in its role's shape) as the `gemm` needs it: a Float8Tensor, or `hp`
+    itself when that gemm runs in high precision."""
+    cast: CastConfig = config.cast_config(role, gemm)
+    if not cast.enabled:
+        return hp
+    rowwise = cast.scaling_granularity is ScalingGranularity.ROWWISE
+    return to_float8(
+        hp,
+        cast.target_dtype,
+        cast.scaling_granularity,
+        reduce_dim=_INNER_DIM[(role, gemm)] if rowwise else None,
+        round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+    )
+
+
+def to_hp(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """float8 -> hp for a Float8Tensor; any other tensor is returned (converted to `dtype`)."""
+    if isinstance(tensor, Float8Tensor):
+        return tensor.to_hp(dtype)
+    return tensor if dtype is None else tensor.to(dtype)

@@ -1,0 +1,233 @@
+"""Configuration of float8 training: frozen dataclasses and string enums.
+
+A Float8Linear runs three gemms, and each gemm has two float8 operands:
+
+    gemm          operands                      shapes (M = tokens, K = in, N = out)
+    output        input       @ weight.T        (M, K) x (K, N)
+    grad_input    grad_output @ weight          (M, N) x (N, K)
+    grad_weight   grad_output.T @ input         (N, M) x (M, K)
+
+Every operand is described by a `CastConfig`. A role (input, weight, grad_output) has one
+cast config that both of its gemms use unless a per-gemm override is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FLOAT8_DTYPES = (E4M3, E5M2)
+HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ScalingType(str, enum.Enum):
+    """How an operand's scale is chosen."""
+
+    DYNAMIC = "dynamic"
+    """The scale comes from the amax of the tensor being cast, computed just before the cast."""
+
+    DISABLED = "disabled"
+    """No float8 cast: the operand stays in high precision and its gemm runs in high precision."""
+
+
+class ScalingGranularity(str, enum.Enum):
+    """How many scales an operand carries."""
+
+    TENSORWISE = "tensorwise"
+    """One scale for the whole tensor."""
+
+    ROWWISE = "rowwise"
+    """One scale per row of the gemm operand, taken along the gemm's inner (reduction) dim."""
+
+    AXISWISE = "rowwise"
+    """torchao.float8's name for ROWWISE (an alias: the same member)."""
+
+
+class Role(str, enum.Enum):
+    """Which tensor of the linear layer is being cast."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+
+class Gemm(str, enum.Enum):
+    """The three matmuls of a linear layer's forward and backward."""
+
+    OUTPUT = "output"
+    GRAD_INPUT = "grad_input"
+    GRAD_WEIGHT = "grad_weight"
+
+
+# The two roles each gemm multiplies, in (a, b) order.
+GEMM_OPERANDS: dict[Gemm, tuple[Role, Role]] = {
+    Gemm.OUTPUT: (Role.INPUT, Role.WEIGHT),
+    Gemm.GRAD_INPUT: (Role.GRAD_OUTPUT, Role.WEIGHT),
+    Gemm.GRAD_WEIGHT: (Role.GRAD_OUTPUT, Role.INPUT),
+}
+
+# e4m3 has more mantissa for values, e5m2 more range for gradients.
+_DEFAULT_DTYPE: dict[Role, torch.dtype] = {
+    Role.INPUT: E4M3,
+    Role.WEIGHT: E4M3,
+    Role.GRAD_OUTPUT: E5M2,
+}
+
+
+def _parse(enum_type: type[enum.Enum], value: object) -> enum.Enum:
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_type)
+        raise ValueError(
+            f"{value!r} is not a {enum_type.__name__}: choose one of {choices}"
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class CastConfig:
+    """How one operand is cast to float8."""
+
+    scaling_type: ScalingType = ScalingType.DYNAMIC
+    """dynamic (scale from this tensor's amax) or disabled (keep high precision)."""
+
+    scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
+    """tensorwise (one scale) or rowwise (one scale per row along the gemm's inner dim)."""
+
+    target_dtype: torch.dtype | None = None
+    """float8_e4m3fn or float8_e5m2; None picks the role's default (e4m3, grad_output e5m2)."""
+
+    def __post_init__(self) -> None:
+        # Accept the enums' string values, as a config read from YAML or a CLI would give them.
+        object.__setattr__(self, "scaling_type", _parse(ScalingType, self.scaling_type))
+        object.__setattr__(
+            self, "scaling_granularity", _parse(ScalingGranularity, self.scaling_granularity)
+        )
+        if self.target_dtype is not None and self.target_dtype not in FLOAT8_DTYPES:
+            raise ValueError(
+                f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype: use "
+                "torch.float8_e4m3fn, torch.float8_e5m2, or None for the role's default"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.scaling_type is not ScalingType.DISABLED
+
+    def resolved(self, role: Role) -> CastConfig:
+        """This config with the role's default dtype filled in."""
+        if self.target_dtype is not None:
+            return self
+        return dataclasses.replace(self, target_dtype=_DEFAULT_DTYPE[role])
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8GemmConfig:
+    """Options of one scaled gemm."""
+
+    use_fast_accum: bool = False
+    """Hopper's fast float8 accumulation: faster, less exact. Usual for the forward only."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8LinearConfig:
+    """Everything a Float8Linear needs to know. The defaults are tensorwise dynamic scaling."""
+
+    cast_config_input: CastConfig = CastConfig()
+    """The input's cast, used by the output gemm and, unless overridden, the grad_weight gemm."""
+
+    cast_config_weight: CastConfig = CastConfig()
+    """The weight's cast, used by the output gemm and, unless overridden, the grad_input gemm."""
+
+    cast_config_grad_output: CastConfig = CastConfig()
+    """grad_output's cast, used by the grad_input gemm and, unless overridden, grad_weight."""
+
+    cast_config_input_for_grad_weight: CastConfig | None = None
+    """Override of the input's cast for the grad_weight gemm (None: cast_config_input)."""
+
+    cast_config_weight_for_grad_input: CastConfig | None = None
+    """Override of the weight's cast for the grad_input gemm (None: cast_config_weight)."""
+
+    cast_config_grad_output_for_grad_weight: CastConfig | None = None
+    """Override of grad_output's cast for the grad_weight gemm (None: cast_config_grad_output)."""
+
+    gemm_config_output: Float8GemmConfig = Float8GemmConfig(use_fast_accum=True)
+    """The forward gemm: fast accumulation on, as is usual."""
+
+    gemm_config_grad_input: Float8GemmConfig = Float8GemmConfig()
+    """The grad_input gemm: exact accumulation, gradients are more sensitive."""
+
+    gemm_config_grad_weight: Float8GemmConfig = Float8GemmConfig()
+    """The grad_weight gemm: exact accumulation, its inner dim (tokens) is the longest."""
+
+    emulate: bool = False
+    """Dequantize and multiply in fp32 instead of calling the scaled gemm: any device, any
+    shape; for testing and for GPUs without float8 units."""
+
+    pad_inner_dim: bool = False
+    """Pad gemm dims that are not multiples of 16 with zeros (the scaled gemm on CUDA needs
+    them aligned). Off by default: misaligned layers raise an error that names them."""
+
+    round_scales_to_power_of_2: bool = False
+    """Round every scale down to a power of two, so that scaling is exact in any precision."""
+
+    recompute_weight_cast: bool = True
+    """Backward recasts the weight from the high-precision parameter (free to keep) instead of
+    keeping the float8 weight from forward: under FSDP that copy would be unsharded."""
+
+    recompute_input_cast: bool = False
+    """False keeps the input for backward in float8 (1 byte per element, half of bf16), cast as
+    the grad_weight gemm needs it. True keeps the high-precision input and recasts it."""
+
+    def __post_init__(self) -> None:
+        for gemm, (role_a, role_b) in GEMM_OPERANDS.items():
+            cast_a, cast_b = self.cast_config(role_a, gemm), self.cast_config(role_b, gemm)
+            if cast_a.enabled != cast_b.enabled:
+                raise ValueError(
+                    f"the {gemm.value} gemm casts {role_a.value} with scaling_type="
+                    f"{cast_a.scaling_type.value} but {role_b.value} with "
+                    f"{cast_b.scaling_type.value}: a gemm runs either in float8 or in high "
+                    "precision, so set both operands' scaling_type to 'disabled' or neither"
+                )
+            if not cast_a.enabled:
+                continue
+            if cast_a.scaling_granularity is not cast_b.scaling_granularity:
+                raise ValueError(
+                    f"the {gemm.value} gemm casts {role_a.value} "
+                    f"{cast_a.scaling_granularity.value} but {role_b.value} "
+                    f"{cast_b.scaling_granularity.value}: scaled gemms need both operands at "
+                    "the same granularity; give both the same scaling_granularity"
+                )
+            if cast_a.target_dtype == cast_b.target_dtype == E5M2:
+                raise ValueError(
+                    f"the {gemm.value} gemm would multiply two float8_e5m2 operands "
+                    f"({role_a.value}, {role_b.value}), which no float8 gemm supports: cast one "
+                    "of them to torch.float8_e4m3fn"
+                )
+
+    def cast_config(self, role: Role, gemm: Gemm) -> CastConfig:
+        """The cast of `role` as an operand of `gemm`, overrides applied, dtype resolved."""
+        role, gemm = Role(role), Gemm(gemm)
+        if role not in GEMM_OPERANDS[gemm]:
+            raise ValueError(f"{role.value} is not an operand of the {gemm.value} gemm")
+        override = {
+            (Role.INPUT, Gemm.GRAD_WEIGHT): self.cast_config_input_for_grad_weight,
+            (Role.WEIGHT, Gemm.GRAD_INPUT): self.cast_config_weight_for_grad_input,
+            (Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): self.cast_config_grad_output_for_grad_weight,
+        }.get((role, gemm))
+        base = {
+            Role.INPUT: self.cast_config_input,
+            Role.WEIGHT: self.cast_config_weight,
+            Role.GRAD_OUTPUT: self.cast_config_grad_output,
+        }[role]
+        return (override or base).resolved(role)
+
+    def gemm_config(self, gemm: Gemm) -> Float8GemmConfig:
+        return {
+            Gemm.OUTPUT: self.gemm_config_output,
+            Gemm.GRAD_INPUT: self.gemm_config_grad_input,
+            Gemm.GRAD_WEIGHT: self.gemm_config_grad_weight,
+        }[Gemm(gemm)]

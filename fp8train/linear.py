@@ -1,0 +1,124 @@
+"""Float8Linear: an nn.Linear whose three matmuls run as float8 gemms."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8train.config import HP_DTYPES, Float8LinearConfig, ScalingGranularity
+from fp8train.matmul import ALIGNMENT, float8_matmul
+
+
+class Float8Linear(nn.Linear):
+    """A drop-in nn.Linear with float8 gemms.
+
+    Its parameters are the plain high-precision `weight` and `bias` of nn.Linear (same names,
+    dtypes and state_dict keys), so optimizers, checkpoints and FSDP see nothing new.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        config: Float8LinearConfig | None = None,
+        fqn: str = "",
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config or Float8LinearConfig()
+        self.fqn = fqn
+        """The layer's name in its model, for error messages."""
+        check_float8_compatible(self, self.config, fqn)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Autocast does not see inside the float8 matmul: apply its dtype here, as it
+            # would for nn.Linear.
+            input = input.to(torch.get_autocast_dtype(device_type))
+        output = float8_matmul(input, self.weight, self.config, fqn=self.fqn)
+        if self.bias is not None:
+            output = output + self.bias.to(output.dtype)
+        return output
+
+    @classmethod
+    def from_float(
+        cls, module: nn.Linear, config: Float8LinearConfig | None = None, *, fqn: str = ""
+    ) -> Float8Linear:
+        """A Float8Linear that shares `module`'s weight and bias (the same Parameter objects)."""
+        config = config or Float8LinearConfig()
+        check_float8_compatible(module, config, fqn)
+        with torch.device("meta"):
+            new = cls(module.in_features, module.out_features, bias=False, config=config, fqn=fqn)
+        new.weight = module.weight
+        new.bias = module.bias
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {describe_config(self.config)}"
+
+
+def check_float8_compatible(module: nn.Linear, config: Float8LinearConfig, fqn: str) -> None:
+    """Raise a ValueError naming the layer if its float8 gemms cannot run."""
+    name = f"'{fqn}'" if fqn else type(module).__name__
+    dtype = module.weight.dtype
+    if dtype not in HP_DTYPES:
+        raise ValueError(
+            f"{name}: weight dtype {dtype} is not float32, bfloat16 or float16, which float8 "
+            "training casts from: convert the model to one of them first, or leave this layer "
+            "out with module_filter_fn"
+        )
+    if config.emulate or config.pad_inner_dim:
+        return
+    bad = [
+        f"{dim}={size}"
+        for dim, size in (
+            ("in_features", module.in_features),
+            ("out_features", module.out_features),
+        )
+        if size % ALIGNMENT
+    ]
+    if bad:
+        raise ValueError(
+            f"{name}: {' and '.join(bad)} not a multiple of {ALIGNMENT}, which float8 gemms "
+            "need: set pad_inner_dim=True in Float8LinearConfig, or leave this layer out with "
+            "module_filter_fn"
+        )
+
+
+def describe_config(config: Float8LinearConfig) -> str:
+    """A one-line summary of what differs from the default config (for repr and logs)."""
+    casts = []
+    for role in ("input", "weight", "grad_output"):
+        cast = getattr(config, f"cast_config_{role}")
+        if cast.enabled:
+            granularity = (
+                ""
+                if cast.scaling_granularity is ScalingGranularity.TENSORWISE
+                else (f" {cast.scaling_granularity.value}")
+            )
+            casts.append(f"{role}:{cast.scaling_type.value}{granularity}")
+        else:
+            casts.append(f"{role}:hp")
+    flags = [
+        f"recompute_weight_cast={config.recompute_weight_cast}",
+        f"recompute_input_cast={config.recompute_input_cast}",
+    ]
+    flags += [
+        name
+        for name in ("emulate", "pad_inner_dim", "round_scales_to_power_of_2")
+        if getattr(config, name)
+    ]
+    overrides = [
+        name
+        for name in (
+            "cast_config_input_for_grad_weight",
+            "cast_config_weight_for_grad_input",
+            "cast_config_grad_output_for_grad_weight",
+        )
+        if getattr(config, name) is not None
+    ]
+    return ", ".join([f"cast=({', '.join(casts)})", *flags, *overrides])

@@ -1,0 +1,249 @@
+"""The float8 matmul of a linear layer: three scaled gemms and the save policy.
+
+    output      = input_fp8       @ weight_fp8.T    (M, K) x (K, N)  forward
+    grad_input  = grad_output_fp8 @ weight_fp8      (M, N) x (N, K)  backward
+    grad_weight = grad_output_fp8.T @ input_fp8     (N, M) x (M, K)  backward
+
+M = tokens (all leading dims of the input flattened), K = in_features, N = out_features.
+
+What is kept between forward and backward is the config's save policy, nothing else:
+    weight  recompute_weight_cast=True   the hp weight (the parameter itself: no new memory),
+                                         recast in backward
+            recompute_weight_cast=False  the float8 weight, as the grad_input gemm needs it
+    input   recompute_input_cast=False   the float8 input, as the grad_weight gemm needs it
+            recompute_input_cast=True    the hp input, recast in backward
+A gemm configured to run in high precision (scaling_type 'disabled') keeps its hp operand.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fp8train.cast import cast_for_gemm, cast_key
+from fp8train.config import Float8LinearConfig, Gemm, Role
+from fp8train.tensor import Float8Tensor
+
+ALIGNMENT = 16
+"""torch._scaled_mm on CUDA needs the inner dim and the output columns to be multiples of 16."""
+
+# What the inner dim and the output columns of each gemm are, for error messages.
+_DIM_NAMES: dict[Gemm, tuple[str, str]] = {
+    Gemm.OUTPUT: ("in_features", "out_features"),
+    Gemm.GRAD_INPUT: ("out_features", "in_features"),
+    Gemm.GRAD_WEIGHT: ("the number of tokens (input.numel() // in_features)", "in_features"),
+}
+
+
+def scaled_mm(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    *,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
+    emulate: bool = False,
+    pad_inner_dim: bool = False,
+    gemm: Gemm = Gemm.OUTPUT,
+    fqn: str = "",
+) -> torch.Tensor:
+    """`a @ b` for float8 `a` (M, K) and `b` (K, N), result in `out_dtype`.
+
+    `emulate` dequantizes both and multiplies in fp32 (any device, any shape). Otherwise
+    torch._scaled_mm runs with `a` row-major and `b` column-major; K and N must be multiples
+    of 16, or are padded with zeros when `pad_inner_dim` (zeros add nothing to the sums).
+    """
+    if emulate:
+        return torch.mm(a.to_hp(torch.float32), b.to_hp(torch.float32)).to(out_dtype)
+    a_data, b_data = a._data, b._data
+    # _scaled_mm takes the fp8 -> hp scales; 0-d for tensorwise, (M, 1) and (1, N) rowwise.
+    a_inv_scale, b_inv_scale = a._scale.reciprocal(), b._scale.reciprocal()
+    k, n = b_data.shape
+    pad_k, pad_n = -k % ALIGNMENT, -n % ALIGNMENT
+    if pad_k or pad_n:
+        if not pad_inner_dim:
+            raise ValueError(_misaligned_message(gemm, fqn, k, n))
+        a_data = _pad_float8(a_data, (0, pad_k))
+        b_data = _pad_float8(b_data, (0, pad_n, 0, pad_k))
+        if b_inv_scale.numel() > 1:
+            b_inv_scale = F.pad(b_inv_scale, (0, pad_n), value=1.0)
+    if not a_data.is_contiguous():
+        a_data = a_data.contiguous()
+    if not b_data.t().is_contiguous():
+        b_data = b_data.t().contiguous().t()
+    out = torch._scaled_mm(
+        a_data,
+        b_data,
+        a_inv_scale,
+        b_inv_scale,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    return out[:, :n] if pad_n else out
+
+
+def _pad_float8(data: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
+    if not any(pad):
+        return data
+    # Pad the bytes: 0x00 is +0.0 in both float8 formats, and pad has no float8 kernels.
+    return F.pad(data.view(torch.uint8), pad).view(data.dtype)
+
+
+def _misaligned_message(gemm: Gemm, fqn: str, k: int, n: int) -> str:
+    inner_name, out_name = _DIM_NAMES[gemm]
+    bad = [f"{name}={size}" for name, size in ((inner_name, k), (out_name, n)) if size % 16]
+    layer = f"Float8Linear '{fqn}'" if fqn else "Float8Linear"
+    fix = (
+        "make batch * sequence length a multiple of 16"
+        if gemm is Gemm.GRAD_WEIGHT and k % 16
+        else "leave this layer out with module_filter_fn"
+    )
+    return (
+        f"{layer}: {' and '.join(bad)} not a multiple of 16, which the float8 {gemm.value} "
+        f"gemm needs: set pad_inner_dim=True in Float8LinearConfig, or {fix}"
+    )
+
+
+def _gemm(
+    gemm: Gemm,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    config: Float8LinearConfig,
+    out_dtype: torch.dtype,
+    fqn: str,
+) -> torch.Tensor:
+    if isinstance(a, Float8Tensor):
+        return scaled_mm(
+            a,
+            b,
+            out_dtype=out_dtype,
+            use_fast_accum=config.gemm_config(gemm).use_fast_accum,
+            emulate=config.emulate,
+            pad_inner_dim=config.pad_inner_dim,
+            gemm=gemm,
+            fqn=fqn,
+        )
+    # This gemm's casts are disabled: it runs in high precision.
+    return torch.mm(a, b.to(a.dtype)).to(out_dtype)
+
+
+def _pack(tensor: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple | None]:
+    """Split a Float8Tensor into plain tensors for save_for_backward (what saved-tensor hooks
+    and the compile partitioner see: float8 bytes and an fp32 scale)."""
+    if isinstance(tensor, Float8Tensor):
+        return (tensor._data, tensor._scale), (tensor._orig_dtype, tensor._granularity)
+    return (tensor,), None
+
+
+def _unpack(tensors: tuple[torch.Tensor, ...], meta: tuple | None) -> torch.Tensor:
+    return tensors[0] if meta is None else Float8Tensor(tensors[0], tensors[1], *meta)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: D102
+        ctx: torch.autograd.function.FunctionCtx,
+        input_hp: torch.Tensor,
+        weight_hp: torch.Tensor,
+        config: Float8LinearConfig,
+        fqn: str,
+    ) -> torch.Tensor:
+        input_2d = input_hp.reshape(-1, input_hp.shape[-1])
+        input_for_output = cast_for_gemm(input_2d, Role.INPUT, Gemm.OUTPUT, config)
+        weight_for_output = cast_for_gemm(weight_hp, Role.WEIGHT, Gemm.OUTPUT, config)
+        output = _gemm(
+            Gemm.OUTPUT, input_for_output, weight_for_output.t(), config, input_hp.dtype, fqn
+        )
+
+        input_key = cast_key(config, Role.INPUT, Gemm.GRAD_WEIGHT)
+        if config.recompute_input_cast or input_key is None:
+            input_saved = input_2d
+        elif input_key == cast_key(config, Role.INPUT, Gemm.OUTPUT):
+            input_saved = input_for_output
+        else:
+            input_saved = cast_for_gemm(input_2d, Role.INPUT, Gemm.GRAD_WEIGHT, config)
+
+        weight_key = cast_key(config, Role.WEIGHT, Gemm.GRAD_INPUT)
+        if config.recompute_weight_cast or weight_key is None:
+            weight_saved = weight_hp
+        elif weight_key == cast_key(config, Role.WEIGHT, Gemm.OUTPUT):
+            weight_saved = weight_for_output
+        else:
+            weight_saved = cast_for_gemm(weight_hp, Role.WEIGHT, Gemm.GRAD_INPUT, config)
+
+        input_tensors, ctx.input_meta = _pack(input_saved)
+        weight_tensors, ctx.weight_meta = _pack(weight_saved)
+        ctx.num_input_tensors = len(input_tensors)
+        ctx.save_for_backward(*input_tensors, *weight_tensors)
+        ctx.config, ctx.fqn = config, fqn
+        ctx.input_shape, ctx.input_dtype = input_hp.shape, input_hp.dtype
+        ctx.weight_dtype = weight_hp.dtype
+        return output.reshape(*input_hp.shape[:-1], output.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205, D102
+        config, fqn = ctx.config, ctx.fqn
+        saved = ctx.saved_tensors
+        input_saved = _unpack(saved[: ctx.num_input_tensors], ctx.input_meta)
+        weight_saved = _unpack(saved[ctx.num_input_tensors :], ctx.weight_meta)
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_input = grad_weight = None
+
+        grad_output_for_grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_output_for_grad_input = cast_for_gemm(
+                grad_output_2d, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT, config
+            )
+            weight_for_grad_input = _recast(weight_saved, Role.WEIGHT, Gemm.GRAD_INPUT, config)
+            grad_input = _gemm(
+                Gemm.GRAD_INPUT,
+                grad_output_for_grad_input,
+                weight_for_grad_input,
+                config,
+                ctx.input_dtype,
+                fqn,
+            ).reshape(ctx.input_shape)
+
+        if ctx.needs_input_grad[1]:
+            same_cast = cast_key(config, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT) == cast_key(
+                config, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT
+            )
+            if same_cast and grad_output_for_grad_input is not None:
+                grad_output_for_grad_weight = grad_output_for_grad_input
+            else:
+                grad_output_for_grad_weight = cast_for_gemm(
+                    grad_output_2d, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, config
+                )
+            input_for_grad_weight = _recast(input_saved, Role.INPUT, Gemm.GRAD_WEIGHT, config)
+            grad_weight = _gemm(
+                Gemm.GRAD_WEIGHT,
+                grad_output_for_grad_weight.t(),
+                input_for_grad_weight,
+                config,
+                ctx.weight_dtype,
+                fqn,
+            )
+        return grad_input, grad_weight, None, None
+
+
+def _recast(
+    saved: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig
+) -> torch.Tensor:
+    """A saved operand as `gemm` needs it: kept float8 as is, kept hp cast now."""
+    if isinstance(saved, Float8Tensor):
+        return saved
+    return cast_for_gemm(saved, role, gemm, config)
+
+
+def float8_matmul(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    config: Float8LinearConfig | None = None,
+    *,
+    fqn: str = "",
+) -> torch.Tensor:
+    """`input @ weight.T` with float8 gemms in forward and backward (no bias).
+
+    input: (..., K) in fp32, bf16 or fp16; weight: (N, K), high precision. `fqn` names the
+    layer in error messages.
+    """
+    return _Float8Matmul.apply(input, weight, config or Float8LinearConfig(), fqn)

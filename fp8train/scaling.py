@@ -1,0 +1,37 @@
+"""amax -> scale: how much a high-precision tensor is stretched before the float8 cast.
+
+Convention everywhere in fp8train: `fp8 = saturate(hp * scale)` and `hp ~= fp8 / scale`.
+torch._scaled_mm takes the inverse (fp8 -> hp) scales; `matmul.scaled_mm` inverts them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8train.config import ScalingGranularity
+
+EPS = 1e-12
+"""amax floor: an all-zero tensor gets a large finite scale instead of inf."""
+
+
+def amax(hp: torch.Tensor, granularity: ScalingGranularity, reduce_dim: int | None) -> torch.Tensor:
+    """max |hp| in fp32: 0-d for tensorwise; for rowwise, reduced along `reduce_dim`, keepdim."""
+    # vector_norm(ord=inf) reads the tensor once and makes no |hp| temporary, unlike abs().max().
+    if granularity is ScalingGranularity.TENSORWISE:
+        return torch.linalg.vector_norm(hp, ord=float("inf"), dtype=torch.float32)
+    if reduce_dim is None:
+        raise ValueError("rowwise scaling needs the dim to reduce along (the gemm's inner dim)")
+    return torch.linalg.vector_norm(
+        hp, ord=float("inf"), dim=reduce_dim, keepdim=True, dtype=torch.float32
+    )
+
+
+def amax_to_scale(
+    amax: torch.Tensor, float8_dtype: torch.dtype, *, round_to_power_of_2: bool = False
+) -> torch.Tensor:
+    """The fp32 scale that maps `amax` onto the largest finite value of `float8_dtype`."""
+    scale = torch.finfo(float8_dtype).max / amax.to(torch.float32).clamp(min=EPS)
+    if round_to_power_of_2:
+        # Round down, so that amax * scale still fits; a power of 2 multiplies exactly.
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale

@@ -1,0 +1,117 @@
+"""Float8Tensor: float8 data with its scale, looking like the high-precision tensor it stands for.
+
+A Float8Tensor holds
+    _data         the float8 bytes (torch.float8_e4m3fn or torch.float8_e5m2), any layout
+    _scale        fp32, such that hp ~= _data / _scale; 0-d (tensorwise) or keepdim-shaped and
+                  broadcastable against _data (rowwise: one scale per row or column)
+    _orig_dtype   the high-precision dtype it was cast from, which is also its reported dtype
+    _granularity  tensorwise or rowwise
+
+Its ops are an explicit table (fp8train/ops.py): an aten op that is not listed raises, so no op
+ever silently runs on float8 bytes as if they were numbers. `__tensor_flatten__` and
+`__tensor_unflatten__` let torch.compile trace through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fp8train.config import FLOAT8_DTYPES, ScalingGranularity
+
+aten = torch.ops.aten
+
+FLOAT8_OPS: dict[Any, Callable[..., Any]] = {}
+"""aten op -> implementation for Float8Tensor; filled by fp8train/ops.py."""
+
+
+def implements(aten_ops: list[Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register the decorated function as Float8Tensor's implementation of `aten_ops`."""
+
+    def register(func: Callable[..., Any]) -> Callable[..., Any]:
+        for op in aten_ops:
+            FLOAT8_OPS[op] = func
+        return func
+
+    return register
+
+
+class Float8Tensor(torch.Tensor):
+    _data: torch.Tensor
+    _scale: torch.Tensor
+    _orig_dtype: torch.dtype
+    _granularity: ScalingGranularity
+
+    @staticmethod
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
+    ) -> Float8Tensor:
+        if data.dtype not in FLOAT8_DTYPES:
+            raise TypeError(f"Float8Tensor data must be float8, got {data.dtype}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"Float8Tensor scale must be float32, got {scale.dtype}")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=orig_dtype,
+            layout=data.layout,
+            device=data.device,
+            requires_grad=False,
+        )
+        self._data = data
+        self._scale = scale
+        self._orig_dtype = orig_dtype
+        self._granularity = ScalingGranularity(granularity)
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"Float8Tensor(shape={tuple(self.shape)}, fp8_dtype={self._data.dtype}, "
+            f"orig_dtype={self._orig_dtype}, granularity={self._granularity.value}, "
+            f"scale_shape={tuple(self._scale.shape)})"
+        )
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self._data.dtype
+
+    def to_hp(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dequantize: `_data / _scale` in `dtype` (default: the original dtype)."""
+        hp = self._data.to(torch.float32) / self._scale
+        return hp.to(dtype or self._orig_dtype)
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, ScalingGranularity]]:
+        return ["_data", "_scale"], (self._orig_dtype, self._granularity)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner_tensors: dict[str, torch.Tensor],
+        ctx: tuple[torch.dtype, ScalingGranularity],
+        outer_size: Any,
+        outer_stride: Any,
+    ) -> Float8Tensor:
+        orig_dtype, granularity = ctx
+        return Float8Tensor(
+            inner_tensors["_data"], inner_tensors["_scale"], orig_dtype, granularity
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        impl = FLOAT8_OPS.get(func)
+        if impl is None:
+            raise NotImplementedError(
+                f"Float8Tensor does not implement {func}: the ops it supports are listed in "
+                "fp8train/ops.py. Dequantize first with .to_hp() to run other ops"
+            )
+        return impl(func, args, kwargs or {})
+
+    # Only aten-level dispatch is intercepted; torch functions decompose to aten as usual.
+    __torch_function__ = torch._C._disabled_torch_function_impl
