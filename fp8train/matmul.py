@@ -103,6 +103,20 @@ def _misaligned_message(gemm: Gemm, fqn: str, k: int, n: int) -> str:
     )
 
 
+def _check_tokens_aligned(
+    input_2d: torch.Tensor, weight_hp: torch.Tensor, config: Float8LinearConfig, fqn: str
+) -> None:
+    """The tokens are the grad_weight gemm's inner dim: fail in forward, not in backward."""
+    tokens, in_features = input_2d.shape
+    if (
+        tokens % ALIGNMENT
+        and weight_hp.requires_grad
+        and not (config.emulate or config.pad_inner_dim)
+        and cast_key(config, Role.INPUT, Gemm.GRAD_WEIGHT) is not None
+    ):
+        raise ValueError(_misaligned_message(Gemm.GRAD_WEIGHT, fqn, tokens, in_features))
+
+
 def _gemm(
     gemm: Gemm,
     a: torch.Tensor,
@@ -148,6 +162,7 @@ class _Float8Matmul(torch.autograd.Function):
         fqn: str,
     ) -> torch.Tensor:
         input_2d = input_hp.reshape(-1, input_hp.shape[-1])
+        _check_tokens_aligned(input_2d, weight_hp, config, fqn)
         input_for_output = cast_for_gemm(input_2d, Role.INPUT, Gemm.OUTPUT, config)
         weight_for_output = cast_for_gemm(weight_hp, Role.WEIGHT, Gemm.OUTPUT, config)
         output = _gemm(

@@ -1,0 +1,104 @@
+import dataclasses
+
+import pytest
+import torch
+
+from fp8train import (
+    CastConfig,
+    Float8GemmConfig,
+    Float8LinearConfig,
+    Gemm,
+    Role,
+    ScalingGranularity,
+    ScalingType,
+)
+
+
+def test_defaults_are_tensorwise_dynamic_with_e5m2_gradients():
+    config = Float8LinearConfig()
+    for gemm, roles in {
+        Gemm.OUTPUT: (Role.INPUT, Role.WEIGHT),
+        Gemm.GRAD_INPUT: (Role.GRAD_OUTPUT, Role.WEIGHT),
+        Gemm.GRAD_WEIGHT: (Role.GRAD_OUTPUT, Role.INPUT),
+    }.items():
+        for role in roles:
+            cast = config.cast_config(role, gemm)
+            assert cast.scaling_type is ScalingType.DYNAMIC
+            assert cast.scaling_granularity is ScalingGranularity.TENSORWISE
+            expected = torch.float8_e5m2 if role is Role.GRAD_OUTPUT else torch.float8_e4m3fn
+            assert cast.target_dtype == expected
+    assert config.gemm_config(Gemm.OUTPUT).use_fast_accum
+    assert not config.gemm_config(Gemm.GRAD_INPUT).use_fast_accum
+    assert not config.gemm_config(Gemm.GRAD_WEIGHT).use_fast_accum
+    assert config.recompute_weight_cast and not config.recompute_input_cast
+
+
+def test_configs_are_frozen_and_hashable():
+    config = Float8LinearConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.emulate = True
+    assert hash(config) == hash(Float8LinearConfig())
+
+
+def test_strings_are_parsed_and_axiswise_is_rowwise():
+    cast = CastConfig(scaling_type="dynamic", scaling_granularity="rowwise")
+    assert cast.scaling_type is ScalingType.DYNAMIC
+    assert cast.scaling_granularity is ScalingGranularity.ROWWISE
+    assert ScalingGranularity.AXISWISE is ScalingGranularity.ROWWISE
+
+
+def test_bad_enum_string_names_the_choices():
+    with pytest.raises(ValueError, match=r"'colwise' is not a ScalingGranularity.*'tensorwise'"):
+        CastConfig(scaling_granularity="colwise")
+
+
+def test_target_dtype_must_be_float8():
+    with pytest.raises(ValueError, match="not a float8 dtype"):
+        CastConfig(target_dtype=torch.bfloat16)
+
+
+def test_per_gemm_override_applies_to_its_gemm_only():
+    rowwise = CastConfig(scaling_granularity="rowwise")
+    config = Float8LinearConfig(
+        cast_config_input_for_grad_weight=rowwise,
+        cast_config_grad_output_for_grad_weight=rowwise,
+    )
+    assert config.cast_config(Role.INPUT, Gemm.GRAD_WEIGHT).scaling_granularity == "rowwise"
+    assert config.cast_config(Role.INPUT, Gemm.OUTPUT).scaling_granularity == "tensorwise"
+    assert config.cast_config(Role.GRAD_OUTPUT, Gemm.GRAD_INPUT).scaling_granularity == (
+        "tensorwise"
+    )
+
+
+def test_gemm_half_disabled_is_rejected_with_the_fix():
+    with pytest.raises(ValueError, match="grad_weight gemm.*set both operands' scaling_type"):
+        Float8LinearConfig(cast_config_input_for_grad_weight=CastConfig(scaling_type="disabled"))
+
+
+def test_high_precision_grad_weight_gemm_is_allowed():
+    disabled = CastConfig(scaling_type="disabled")
+    config = Float8LinearConfig(
+        cast_config_input_for_grad_weight=disabled,
+        cast_config_grad_output_for_grad_weight=disabled,
+    )
+    assert not config.cast_config(Role.INPUT, Gemm.GRAD_WEIGHT).enabled
+
+
+def test_mixed_granularity_in_one_gemm_is_rejected():
+    with pytest.raises(ValueError, match="output gemm casts input rowwise but weight tensorwise"):
+        Float8LinearConfig(cast_config_input=CastConfig(scaling_granularity="rowwise"))
+
+
+def test_two_e5m2_operands_are_rejected():
+    e5m2 = CastConfig(target_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="two float8_e5m2 operands.*float8_e4m3fn"):
+        Float8LinearConfig(cast_config_weight=e5m2)
+
+
+def test_cast_config_rejects_a_role_outside_the_gemm():
+    with pytest.raises(ValueError, match="weight is not an operand of the grad_weight gemm"):
+        Float8LinearConfig().cast_config(Role.WEIGHT, Gemm.GRAD_WEIGHT)
+
+
+def test_gemm_config_default():
+    assert Float8GemmConfig().use_fast_accum is False

@@ -1,0 +1,121 @@
+"""convert_to_float8_training: the swap, the filter, and what stays the same."""
+
+import pytest
+import torch
+from torch import nn
+
+from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.ModuleDict({"wq": nn.Linear(64, 64), "wo": nn.Linear(64, 64)})
+        self.ffn = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.norm = nn.LayerNorm(64)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(64, 10)  # 10 outputs: not float8-able
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block.norm(x)
+            x = x + block.attn["wo"](block.attn["wq"](x))
+            x = x + block.ffn(x)
+        return self.head(x)
+
+
+def keep_head_out(module: nn.Module, fqn: str) -> bool:
+    return fqn != "head"
+
+
+def linear_fqns(model: nn.Module, kind: type) -> list[str]:
+    return [name for name, mod in model.named_modules() if type(mod) is kind]
+
+
+def test_swaps_nested_linears_and_leaves_filtered_ones():
+    model = convert_to_float8_training(Model(), module_filter_fn=keep_head_out)
+    assert linear_fqns(model, Float8Linear) == [
+        f"blocks.{i}.{name}" for i in range(2) for name in ("attn.wq", "attn.wo", "ffn.0", "ffn.2")
+    ]
+    assert linear_fqns(model, nn.Linear) == ["head"]
+    assert model.blocks[1].ffn[2].fqn == "blocks.1.ffn.2"
+
+
+def test_filter_sees_each_linear_with_its_fqn():
+    seen = []
+    convert_to_float8_training(Model(), module_filter_fn=lambda mod, fqn: seen.append(fqn))
+    assert "blocks.0.attn.wq" in seen and "head" in seen and len(seen) == 9
+
+
+def test_misaligned_layer_error_names_its_fqn():
+    with pytest.raises(ValueError, match=r"'head': out_features=10 .*pad_inner_dim=True.*filter"):
+        convert_to_float8_training(Model())
+
+
+def test_parameters_and_state_dict_are_unchanged():
+    model = Model()
+    params_before = dict(model.named_parameters())
+    keys_before = list(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    convert_to_float8_training(model, module_filter_fn=keep_head_out)
+    assert list(model.state_dict()) == keys_before
+    params_after = dict(model.named_parameters())
+    assert params_after.keys() == params_before.keys()
+    assert all(params_after[name] is params_before[name] for name in params_before)
+    # The optimizer built before the swap still trains the swapped model.
+    weight_before = model.blocks[0].attn["wq"].weight.detach().clone()
+    model(torch.randn(16, 64)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(model.blocks[0].attn["wq"].weight, weight_before)
+
+
+def test_float8_checkpoint_loads_into_the_original_model_and_back():
+    fp8_model = convert_to_float8_training(Model(), module_filter_fn=keep_head_out)
+    plain = Model()
+    plain.load_state_dict(fp8_model.state_dict())
+    x = torch.randn(16, 64)
+    again = convert_to_float8_training(Model(), module_filter_fn=keep_head_out)
+    again.load_state_dict(plain.state_dict())
+    assert torch.equal(again(x), fp8_model(x))
+
+
+def test_root_linear_is_returned_swapped():
+    layer = nn.Linear(32, 16)
+    swapped = convert_to_float8_training(layer)
+    assert type(swapped) is Float8Linear and swapped.fqn == ""
+    assert swapped.weight is layer.weight
+
+
+def test_converting_twice_changes_nothing():
+    model = convert_to_float8_training(Model(), module_filter_fn=keep_head_out)
+    layers = [mod for mod in model.modules() if isinstance(mod, Float8Linear)]
+    convert_to_float8_training(model, module_filter_fn=keep_head_out)
+    assert [mod for mod in model.modules() if isinstance(mod, Float8Linear)] == layers
+
+
+def test_config_reaches_every_layer_and_repr_shows_it():
+    config = Float8LinearConfig(recompute_weight_cast=False, emulate=True)
+    model = convert_to_float8_training(Model(), config=config)  # emulate: head allowed
+    assert all(m.config is config for m in model.modules() if isinstance(m, Float8Linear))
+    text = repr(model.head)
+    assert "in_features=64, out_features=10" in text
+    assert "recompute_weight_cast=False" in text and "emulate" in text
+
+
+def test_converted_model_trains():
+    model = convert_to_float8_training(Model(), module_filter_fn=keep_head_out)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, target = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    losses = []
+    for _ in range(20):
+        loss = nn.functional.cross_entropy(model(x), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]

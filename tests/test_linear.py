@@ -1,0 +1,150 @@
+"""Float8Linear numerics against fp32, on real scaled gemms and in emulation."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fp8train import CastConfig, Float8Linear, Float8LinearConfig, compute_error
+from tests.conftest import DEVICES
+
+# SQNR floors in dB against the fp32 layer (20 dB: 10% of the signal's norm).
+OUTPUT_SQNR = 20.0
+GRAD_SQNR = 15.0
+# Emulation and the scaled gemm multiply the same float8 bytes: they differ by accumulation
+# order and output rounding only.
+AGREEMENT_SQNR = 40.0
+
+SHAPES = [
+    pytest.param((16,), 64, 48, id="2d"),
+    pytest.param((2, 8), 64, 48, id="3d"),
+    # weird shapes: nothing a multiple of 16, padded
+    pytest.param((7,), 100, 37, id="odd-padded"),
+    pytest.param((3, 5), 24, 40, id="3d-odd-padded"),
+]
+HP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_config(granularity: str, **kwargs) -> Float8LinearConfig:
+    cast = CastConfig(scaling_granularity=granularity)
+    return Float8LinearConfig(
+        cast_config_input=cast, cast_config_weight=cast, cast_config_grad_output=cast, **kwargs
+    )
+
+
+def run_fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    x = x.detach().clone().requires_grad_()
+    out = layer(x)
+    out.backward(grad)
+    return out, x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("emulate", [False, True], ids=["scaled_mm", "emulate"])
+@pytest.mark.parametrize("hp_dtype", HP_DTYPES, ids=str)
+@pytest.mark.parametrize("lead,in_features,out_features", SHAPES)
+def test_fwd_bwd_against_fp32(
+    device, granularity, emulate, hp_dtype, lead, in_features, out_features
+):
+    reference = nn.Linear(in_features, out_features, device=device)
+    config = make_config(granularity, emulate=emulate, pad_inner_dim=True)
+    fp8 = Float8Linear.from_float(copy.deepcopy(reference).to(hp_dtype), config)
+    x = torch.randn(*lead, in_features, device=device)
+    grad = torch.randn(*lead, out_features, device=device)
+
+    ref_out, ref_gx, ref_gw, ref_gb = run_fwd_bwd(reference, x, grad)
+    out, gx, gw, gb = run_fwd_bwd(fp8, x.to(hp_dtype), grad.to(hp_dtype))
+
+    assert out.dtype == gx.dtype == hp_dtype and gw.dtype == hp_dtype
+    assert out.shape == ref_out.shape and gx.shape == x.shape
+    assert compute_error(ref_out, out) >= OUTPUT_SQNR
+    assert compute_error(ref_gx, gx) >= GRAD_SQNR
+    assert compute_error(ref_gw, gw) >= GRAD_SQNR
+    assert compute_error(ref_gb, gb) >= 30  # bias grad is a plain high-precision sum
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_emulation_agrees_with_scaled_mm(device, granularity, hp_dtype):
+    base = nn.Linear(64, 48, device=device, dtype=hp_dtype)
+    x = torch.randn(4, 16, 64, device=device, dtype=hp_dtype)
+    grad = torch.randn(4, 16, 48, device=device, dtype=hp_dtype)
+    real = run_fwd_bwd(
+        Float8Linear.from_float(copy.deepcopy(base), make_config(granularity)), x, grad
+    )
+    emulated = run_fwd_bwd(
+        Float8Linear.from_float(copy.deepcopy(base), make_config(granularity, emulate=True)),
+        x,
+        grad,
+    )
+    for name, a, b in zip(("output", "grad_input", "grad_weight"), real, emulated, strict=False):
+        assert compute_error(b, a) >= AGREEMENT_SQNR, name
+
+
+def test_high_precision_grad_weight_gemm_is_exact_to_fp32():
+    disabled = CastConfig(scaling_type="disabled")
+    config = Float8LinearConfig(
+        cast_config_input_for_grad_weight=disabled,
+        cast_config_grad_output_for_grad_weight=disabled,
+    )
+    reference = nn.Linear(64, 48)
+    x, grad = torch.randn(32, 64), torch.randn(32, 48)
+    ref = run_fwd_bwd(reference, x, grad)
+    out = run_fwd_bwd(Float8Linear.from_float(copy.deepcopy(reference), config), x, grad)
+    torch.testing.assert_close(out[2], ref[2])
+    assert compute_error(ref[0], out[0]) >= OUTPUT_SQNR
+
+
+def test_frozen_weight_gets_no_grad_and_any_token_count_runs():
+    layer = Float8Linear(64, 48, bias=False)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(5, 64, requires_grad=True)  # 5 tokens: only the grad_weight gemm minds
+    layer(x).sum().backward()
+    assert layer.weight.grad is None and x.grad.shape == x.shape
+
+
+def test_input_without_grad_still_gives_weight_grad():
+    layer = Float8Linear(64, 48)
+    layer(torch.randn(16, 64)).sum().backward()
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
+
+
+def test_autocast_runs_the_layer_in_the_autocast_dtype():
+    layer = Float8Linear(64, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(16, 64))
+    assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "in_features,out_features,match",
+    [
+        (100, 48, "in_features=100 not a multiple of 16"),
+        (64, 40, "out_features=40 not a multiple of 16"),
+        (100, 40, "in_features=100 and out_features=40"),
+    ],
+)
+def test_misaligned_layer_is_refused_with_both_fixes(in_features, out_features, match):
+    with pytest.raises(ValueError, match=match) as error:
+        Float8Linear(in_features, out_features)
+    assert "pad_inner_dim=True" in str(error.value) and "module_filter_fn" in str(error.value)
+
+
+def test_misaligned_token_count_fails_in_forward_naming_the_layer():
+    layer = Float8Linear(64, 48, fqn="blocks.0.ffn.w1")
+    with pytest.raises(ValueError, match=r"'blocks.0.ffn.w1'.*tokens.*=7 .*pad_inner_dim=True"):
+        layer(torch.randn(7, 64))
+
+
+def test_emulation_needs_no_alignment():
+    layer = Float8Linear(100, 37, config=Float8LinearConfig(emulate=True))
+    layer(torch.randn(7, 100)).sum().backward()
+    assert layer.weight.grad.shape == (37, 100)
+
+
+def test_unsupported_weight_dtype_is_refused():
+    with pytest.raises(ValueError, match="float64 is not float32, bfloat16 or float16"):
+        Float8Linear.from_float(nn.Linear(64, 48).double())

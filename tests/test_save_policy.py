@@ -1,0 +1,142 @@
+"""What a Float8Linear keeps between forward and backward, read off the saved tensors."""
+
+import copy
+
+import pytest
+import torch
+
+from fp8train import CastConfig, Float8Linear, Float8LinearConfig
+
+M, K, N = 64, 96, 48
+E4M3 = torch.float8_e4m3fn
+
+
+def saved_by_forward(layer: Float8Linear, x: torch.Tensor) -> list[torch.Tensor]:
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(x)
+    out.sum().backward()
+    return saved
+
+
+def describe(saved: list[torch.Tensor], weight: torch.nn.Parameter) -> list[tuple]:
+    """(what, dtype, shape) per saved tensor; the weight parameter itself is named."""
+    return [
+        ("weight parameter" if t is weight else "tensor", t.dtype, tuple(t.shape)) for t in saved
+    ]
+
+
+def nbytes(saved: list[torch.Tensor], weight: torch.nn.Parameter) -> int:
+    """Bytes that forward adds to memory: the parameter is held anyway and costs nothing."""
+    return sum(t.numel() * t.element_size() for t in saved if t is not weight)
+
+
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "recompute_input_cast", [False, True], ids=["keep-fp8-input", "keep-hp-input"]
+)
+@pytest.mark.parametrize(
+    "recompute_weight_cast", [True, False], ids=["recompute-weight", "keep-fp8-weight"]
+)
+def test_tensorwise_save_policy(recompute_weight_cast, recompute_input_cast, hp_dtype):
+    config = Float8LinearConfig(
+        recompute_weight_cast=recompute_weight_cast, recompute_input_cast=recompute_input_cast
+    )
+    layer = Float8Linear(K, N, bias=False, dtype=hp_dtype, config=config)
+    x = torch.randn(M, K, dtype=hp_dtype, requires_grad=True)
+    saved = saved_by_forward(layer, x)
+
+    expected = []
+    if recompute_input_cast:
+        expected.append(("tensor", hp_dtype, (M, K)))
+    else:
+        expected += [("tensor", E4M3, (M, K)), ("tensor", torch.float32, ())]
+    if recompute_weight_cast:
+        expected.append(("weight parameter", hp_dtype, (N, K)))
+    else:
+        expected += [("tensor", E4M3, (N, K)), ("tensor", torch.float32, ())]
+    assert describe(saved, layer.weight) == expected
+
+    hp_size = hp_dtype.itemsize
+    expected_bytes = (M * K * hp_size if recompute_input_cast else M * K + 4) + (
+        0 if recompute_weight_cast else N * K + 4
+    )
+    assert nbytes(saved, layer.weight) == expected_bytes
+    # Nothing of the weight's size in float8 is kept when the cast is recomputed.
+    if recompute_weight_cast:
+        assert not any(t.dtype == E4M3 and t.shape == (N, K) for t in saved)
+
+
+def test_rowwise_keeps_the_input_scaled_for_the_grad_weight_gemm():
+    rowwise = CastConfig(scaling_granularity="rowwise")
+    config = Float8LinearConfig(
+        cast_config_input=rowwise,
+        cast_config_weight=rowwise,
+        cast_config_grad_output=rowwise,
+        recompute_weight_cast=False,
+    )
+    layer = Float8Linear(K, N, bias=False, config=config)
+    saved = saved_by_forward(layer, torch.randn(M, K))
+    # input: one scale per column (reduced over the tokens, the grad_weight gemm's inner dim);
+    # weight: one scale per input feature (reduced over N, the grad_input gemm's inner dim).
+    assert describe(saved, layer.weight) == [
+        ("tensor", E4M3, (M, K)),
+        ("tensor", torch.float32, (1, K)),
+        ("tensor", E4M3, (N, K)),
+        ("tensor", torch.float32, (1, K)),
+    ]
+
+
+def test_high_precision_grad_weight_gemm_keeps_the_hp_input():
+    disabled = CastConfig(scaling_type="disabled")
+    config = Float8LinearConfig(
+        cast_config_input_for_grad_weight=disabled,
+        cast_config_grad_output_for_grad_weight=disabled,
+    )
+    layer = Float8Linear(K, N, bias=False, config=config)
+    saved = saved_by_forward(layer, torch.randn(M, K))
+    assert describe(saved, layer.weight) == [
+        ("tensor", torch.float32, (M, K)),
+        ("weight parameter", torch.float32, (N, K)),
+    ]
+
+
+def test_float8_input_saves_half_of_bf16_training():
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    bf16 = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
+    fp8 = Float8Linear.from_float(copy.deepcopy(bf16))
+    bf16_bytes = nbytes(saved_by_forward(bf16, x), bf16.weight)
+    fp8_bytes = nbytes(saved_by_forward(fp8, x), fp8.weight)
+    assert bf16_bytes == M * K * 2
+    assert fp8_bytes == M * K + 4
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_every_policy_gives_the_same_gradients(granularity):
+    """Recomputing a cast gives the same float8 bytes as keeping it: the policy is free of
+    numerical effect."""
+    cast = CastConfig(scaling_granularity=granularity)
+    base = Float8Linear(K, N)
+    x, grad = torch.randn(M, K), torch.randn(M, N)
+    results = []
+    for recompute_weight_cast in (True, False):
+        for recompute_input_cast in (True, False):
+            layer = copy.deepcopy(base)
+            layer.config = Float8LinearConfig(
+                cast_config_input=cast,
+                cast_config_weight=cast,
+                cast_config_grad_output=cast,
+                recompute_weight_cast=recompute_weight_cast,
+                recompute_input_cast=recompute_input_cast,
+            )
+            xi = x.clone().requires_grad_()
+            layer(xi).backward(grad)
+            results.append((xi.grad, layer.weight.grad))
+    for grad_input, grad_weight in results[1:]:
+        assert torch.equal(grad_input, results[0][0])
+        assert torch.equal(grad_weight, results[0][1])
