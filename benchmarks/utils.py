@@ -1,0 +1,61 @@
+"""What every benchmark shares: the environment header, markdown tables, CSV."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+import fp8train
+
+
+def environment() -> dict[str, str]:
+    """The facts a result is meaningless without."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        device = (
+            f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)"
+        )
+    else:
+        device = f"CPU ({platform.processor() or platform.machine()})"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "fp8train": fp8train.__version__,
+        "python": platform.python_version(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def print_environment() -> None:
+    for key, value in environment().items():
+        print(f"- {key}: {value}")
+    print()
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+    columns = list(columns or rows[0].keys())
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_format(row.get(col, "")) for col in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[dict], path: str | Path) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0].keys()))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _format(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.3e}"
+    return str(value)
