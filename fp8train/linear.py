@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8train.config import HP_DTYPES, Float8LinearConfig, ScalingGranularity
-from fp8train.matmul import ALIGNMENT, float8_matmul
+from fp8train.config import HP_DTYPES, Float8LinearConfig, Gemm, ScalingGranularity
+from fp8train.matmul import ALIGNMENT, _Float8Matmul, misaligned_message, tokens_misaligned
 
 
 class Float8Linear(nn.Linear):
@@ -39,7 +39,14 @@ class Float8Linear(nn.Linear):
             # Autocast does not see inside the float8 matmul: apply its dtype here, as it
             # would for nn.Linear.
             input = input.to(torch.get_autocast_dtype(device_type))
-        output = float8_matmul(input, self.weight, self.config, fqn=self.fqn)
+        # self.fqn is read only to raise: torch.compile would otherwise guard on the string
+        # and recompile forward once per layer.
+        if tokens_misaligned(input, self.weight, self.config):
+            tokens = input.numel() // self.in_features
+            raise ValueError(
+                misaligned_message(Gemm.GRAD_WEIGHT, tokens, self.in_features, self.fqn)
+            )
+        output = _Float8Matmul.apply(input, self.weight, self.config)
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output

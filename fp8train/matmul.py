@@ -44,7 +44,6 @@ def scaled_mm(
     emulate: bool = False,
     pad_inner_dim: bool = False,
     gemm: Gemm = Gemm.OUTPUT,
-    fqn: str = "",
 ) -> torch.Tensor:
     """`a @ b` for float8 `a` (M, K) and `b` (K, N), result in `out_dtype`.
 
@@ -61,7 +60,7 @@ def scaled_mm(
     pad_k, pad_n = -k % ALIGNMENT, -n % ALIGNMENT
     if pad_k or pad_n:
         if not pad_inner_dim:
-            raise ValueError(_misaligned_message(gemm, fqn, k, n))
+            raise ValueError(misaligned_message(gemm, k, n))
         a_data = _pad_float8(a_data, (0, pad_k))
         b_data = _pad_float8(b_data, (0, pad_n, 0, pad_k))
         if b_inv_scale.numel() > 1:
@@ -88,7 +87,7 @@ def _pad_float8(data: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
     return F.pad(data.view(torch.uint8), pad).view(data.dtype)
 
 
-def _misaligned_message(gemm: Gemm, fqn: str, k: int, n: int) -> str:
+def misaligned_message(gemm: Gemm, k: int, n: int, fqn: str = "") -> str:
     inner_name, out_name = _DIM_NAMES[gemm]
     bad = [f"{name}={size}" for name, size in ((inner_name, k), (out_name, n)) if size % 16]
     layer = f"Float8Linear '{fqn}'" if fqn else "Float8Linear"
@@ -103,18 +102,18 @@ def _misaligned_message(gemm: Gemm, fqn: str, k: int, n: int) -> str:
     )
 
 
-def _check_tokens_aligned(
-    input_2d: torch.Tensor, weight_hp: torch.Tensor, config: Float8LinearConfig, fqn: str
-) -> None:
-    """The tokens are the grad_weight gemm's inner dim: fail in forward, not in backward."""
-    tokens, in_features = input_2d.shape
-    if (
+def tokens_misaligned(
+    input: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig
+) -> bool:
+    """True if the number of tokens (the grad_weight gemm's inner dim) would make that gemm
+    fail in backward: the caller raises in forward instead, naming the layer."""
+    tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
+    return bool(
         tokens % ALIGNMENT
-        and weight_hp.requires_grad
+        and weight.requires_grad
         and not (config.emulate or config.pad_inner_dim)
         and cast_key(config, Role.INPUT, Gemm.GRAD_WEIGHT) is not None
-    ):
-        raise ValueError(_misaligned_message(Gemm.GRAD_WEIGHT, fqn, tokens, in_features))
+    )
 
 
 def _gemm(
@@ -123,7 +122,6 @@ def _gemm(
     b: torch.Tensor,
     config: Float8LinearConfig,
     out_dtype: torch.dtype,
-    fqn: str,
 ) -> torch.Tensor:
     if isinstance(a, Float8Tensor):
         return scaled_mm(
@@ -134,7 +132,6 @@ def _gemm(
             emulate=config.emulate,
             pad_inner_dim=config.pad_inner_dim,
             gemm=gemm,
-            fqn=fqn,
         )
     # This gemm's casts are disabled: it runs in high precision.
     return torch.mm(a, b.to(a.dtype)).to(out_dtype)
@@ -159,15 +156,11 @@ class _Float8Matmul(torch.autograd.Function):
         input_hp: torch.Tensor,
         weight_hp: torch.Tensor,
         config: Float8LinearConfig,
-        fqn: str,
     ) -> torch.Tensor:
         input_2d = input_hp.reshape(-1, input_hp.shape[-1])
-        _check_tokens_aligned(input_2d, weight_hp, config, fqn)
         input_for_output = cast_for_gemm(input_2d, Role.INPUT, Gemm.OUTPUT, config)
         weight_for_output = cast_for_gemm(weight_hp, Role.WEIGHT, Gemm.OUTPUT, config)
-        output = _gemm(
-            Gemm.OUTPUT, input_for_output, weight_for_output.t(), config, input_hp.dtype, fqn
-        )
+        output = _gemm(Gemm.OUTPUT, input_for_output, weight_for_output.t(), config, input_hp.dtype)
 
         input_key = cast_key(config, Role.INPUT, Gemm.GRAD_WEIGHT)
         if config.recompute_input_cast or input_key is None:
@@ -189,14 +182,14 @@ class _Float8Matmul(torch.autograd.Function):
         weight_tensors, ctx.weight_meta = _pack(weight_saved)
         ctx.num_input_tensors = len(input_tensors)
         ctx.save_for_backward(*input_tensors, *weight_tensors)
-        ctx.config, ctx.fqn = config, fqn
+        ctx.config = config
         ctx.input_shape, ctx.input_dtype = input_hp.shape, input_hp.dtype
         ctx.weight_dtype = weight_hp.dtype
         return output.reshape(*input_hp.shape[:-1], output.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205, D102
-        config, fqn = ctx.config, ctx.fqn
+        config = ctx.config
         saved = ctx.saved_tensors
         input_saved = _unpack(saved[: ctx.num_input_tensors], ctx.input_meta)
         weight_saved = _unpack(saved[ctx.num_input_tensors :], ctx.weight_meta)
@@ -215,7 +208,6 @@ class _Float8Matmul(torch.autograd.Function):
                 weight_for_grad_input,
                 config,
                 ctx.input_dtype,
-                fqn,
             ).reshape(ctx.input_shape)
 
         if ctx.needs_input_grad[1]:
@@ -235,9 +227,8 @@ class _Float8Matmul(torch.autograd.Function):
                 input_for_grad_weight,
                 config,
                 ctx.weight_dtype,
-                fqn,
             )
-        return grad_input, grad_weight, None, None
+        return grad_input, grad_weight, None
 
 
 def _recast(
@@ -261,4 +252,11 @@ def float8_matmul(
     input: (..., K) in fp32, bf16 or fp16; weight: (N, K), high precision. `fqn` names the
     layer in error messages.
     """
-    return _Float8Matmul.apply(input, weight, config or Float8LinearConfig(), fqn)
+    config = config or Float8LinearConfig()
+    if tokens_misaligned(input, weight, config):
+        raise ValueError(
+            misaligned_message(
+                Gemm.GRAD_WEIGHT, input.numel() // input.shape[-1], input.shape[-1], fqn
+            )
+        )
+    return _Float8Matmul.apply(input, weight, config)

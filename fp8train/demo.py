@@ -1,0 +1,298 @@
+"""Train the same small language model in high precision and in float8, and compare.
+
+Both runs start from the same weights and see the same batches in the same order, so the loss
+gap between them is the cost of float8 alone. The runs go one after the other rather than
+interleaved: each then gets its own CUDA peak-memory reading and its step times are not
+disturbed by the other model's caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import platform
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from tqdm import tqdm
+
+from fp8train import Float8Linear, Float8LinearConfig, __version__, convert_to_float8_training
+from fp8train.data import batches, eval_batches, load_text_tokens, train_val_split
+from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
+
+WARMUP_STEPS = 3
+"""Steps left out of the mean step time: they include allocator growth and, with --compile,
+compilation."""
+
+FINAL_LOSS_STEPS = 10
+"""The final train loss is the mean over this many last steps: one batch's loss is noisy."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# Defaults per device type: on the CPU the demo must finish in well under 2 minutes on two
+# cores; on a GPU the gemms must be large enough for float8 to matter.
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {"steps": 250, "batch_size": 16, "seq_len": 128, "dim": 128, "n_layers": 2, "lr": 3e-3},
+    "cuda": {
+        "steps": 300,
+        "batch_size": 8,
+        "seq_len": 1024,
+        "dim": 1024,
+        "n_layers": 8,
+        "lr": 1e-3,
+    },
+}
+
+
+def _preset_help(text: str, key: str) -> str:
+    return f"{text} (default: {PRESETS['cpu'][key]} on the CPU, {PRESETS['cuda'][key]} on CUDA)"
+
+
+def apply_presets(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left unset with the preset of the run's device type."""
+    preset = PRESETS["cuda" if torch.device(args.device).type == "cuda" else "cpu"]
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    add = parser.add_argument
+    add("--steps", type=int, help=_preset_help("training steps per run", "steps"))
+    add("--batch-size", type=int, help=_preset_help("sequences per batch", "batch_size"))
+    add("--seq-len", type=int, help=_preset_help("tokens per sequence", "seq_len"))
+    add("--dim", type=int, help=_preset_help("model dim, a multiple of 16", "dim"))
+    add("--n-layers", type=int, help=_preset_help("transformer blocks", "n_layers"))
+    add("--lr", type=float, help=_preset_help("AdamW learning rate", "lr"))
+    add("--seed", type=int, default=0, help="seed of weights and batches (default: %(default)s)")
+    add("--device", default=default_device, help="torch device (default: %(default)s)")
+    add(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="parameter dtype of the high-precision model and of the float8 model's "
+        "non-float8 parts; auto: bfloat16 on CUDA, float32 elsewhere (default: %(default)s)",
+    )
+    add("--compile", action="store_true", help="torch.compile each model")
+    add(
+        "--emulate",
+        action="store_true",
+        help="emulate the float8 gemms in fp32 instead of calling torch._scaled_mm (for GPUs "
+        "without float8 units); the CPU runs the real scaled gemm by default",
+    )
+    add(
+        "--recompute-weight-cast",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="recast the weight to float8 in backward instead of keeping the float8 copy from "
+        "forward (default: %(default)s)",
+    )
+    add(
+        "--recompute-input-cast",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="keep the high-precision input for backward and recast it, instead of keeping it "
+        "in float8 (default: %(default)s)",
+    )
+    add("--eval-batches", type=int, default=8, help="validation batches (default: %(default)s)")
+    add("--quiet", action="store_true", help="no progress bars")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 is the usual training dtype on GPUs; CPU bf16 matmuls are far slower than fp32.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def float8_config(args: argparse.Namespace) -> Float8LinearConfig:
+    return Float8LinearConfig(
+        emulate=args.emulate,
+        recompute_weight_cast=args.recompute_weight_cast,
+        recompute_input_cast=args.recompute_input_cast,
+    )
+
+
+def to_float8(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """Swap every linear but the lm_head: the logits gemm is small but its errors hit the loss
+    directly, so float8 recipes leave it in high precision."""
+    return convert_to_float8_training(
+        model, config=float8_config(args), module_filter_fn=lambda mod, fqn: fqn != "lm_head"
+    )
+
+
+def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """Bytes that one eager forward keeps alive for backward, seen through saved_tensors_hooks.
+    Storages count once each (views share one), parameters not at all: they are alive anyway.
+    Eager even under --compile: dynamo would trace the hooks and compile a graph just for them."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+
+    def count(t: torch.Tensor) -> int:
+        # A float8 tensor is a wrapper subclass without storage of its own: count its parts.
+        if is_traceable_wrapper_subclass(t):
+            return sum(count(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.data_ptr() in skip:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += count(t)
+        return t
+
+    # Forward alone suffices (tensors are saved as it runs); the graph is freed on return.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lm_loss(model, inputs, targets)
+    return total
+
+
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(inputs)
+    # Softmax in fp32: bf16 logits lose the small differences that the loss is made of.
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches_: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    device = next(model.parameters()).device
+    model.eval()
+    losses = [lm_loss(model, x.to(device), y.to(device)).item() for x, y in batches_]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_run(
+    name: str,
+    model: nn.Module,
+    train_tokens: torch.Tensor,
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    forward = torch.compile(model) if args.compile else model
+    # Seeded alike for every run: the runs see identical batches.
+    stream = batches(
+        train_tokens, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed)
+    )
+    # A validation batch has the training shape and leaves the training stream untouched.
+    saved = saved_activation_bytes(model, *(t.to(device) for t in val_batches[0]))
+    losses: list[float] = []
+    step_times: list[float] = []
+    progress = tqdm(range(args.steps), desc=name, disable=args.quiet, leave=False)
+    for _ in progress:
+        inputs, targets = (t.to(device) for t in next(stream))
+        _synchronize(device)
+        start = time.perf_counter()
+        loss = lm_loss(forward, inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # also waits for the step on CUDA
+        _synchronize(device)
+        step_times.append(time.perf_counter() - start)
+        progress.set_postfix(loss=f"{losses[-1]:.3f}")
+    timed = step_times[WARMUP_STEPS:] or step_times
+    step_s = sum(timed) / len(timed)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    last = losses[-FINAL_LOSS_STEPS:]
+    return {
+        "run": name,
+        "losses": losses,
+        "final_train_loss": sum(last) / len(last),
+        "val_loss": evaluate(model, val_batches),
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": args.batch_size * args.seq_len / step_s,
+        "saved_activations_mib": saved / 2**20,
+        # The CPU allocator keeps no peak: there, saved activations are the memory figure.
+        "peak_memory_mib": None if peak is None else peak / 2**20,
+        "float8_linears": sum(isinstance(m, Float8Linear) for m in model.modules()),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    on_cuda = rows[0]["peak_memory_mib"] is not None
+    memory_key = "peak_memory_mib" if on_cuda else "saved_activations_mib"
+    memory_header = "peak memory MiB" if on_cuda else "saved activations MiB"
+    header = (
+        "run", "dtype", "final train loss", "val loss", "gap vs high precision",
+        "step time ms", "tokens/s", memory_header,
+    )  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        gap = "-" if row["gap_pct"] is None else f"{row['gap_pct']:+.2f}%"
+        cells = (
+            row["run"], row["dtype"], f"{row['final_train_loss']:.4f}", f"{row['val_loss']:.4f}",
+            gap, f"{row['step_ms']:.1f}", f"{row['tokens_per_s']:,.0f}", f"{row[memory_key]:.2f}",
+        )  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
+    args = apply_presets(args)
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    print(f"device: {device_name(device)} | torch {torch.__version__} | fp8train {__version__}")
+
+    train_tokens, val_tokens = train_val_split(load_text_tokens())
+    val_batches = eval_batches(val_tokens, args.batch_size, args.seq_len, args.eval_batches)
+    model_args = ModelArgs(
+        dim=args.dim, n_layers=args.n_layers, ffn_dim=llama_ffn_dim(args.dim),
+        max_seq_len=args.seq_len,
+    )  # fmt: skip
+    torch.manual_seed(args.seed)
+    initial = Transformer(model_args)  # both runs start from copies of these weights
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    emulated = " emulated" if args.emulate else ""
+    float8_label = f"float8{emulated} + {dtype_name}"
+    rows = []
+    for name, label, convert in (
+        ("high precision", dtype_name, False),
+        ("float8", float8_label, True),
+    ):
+        gc.collect()  # free the previous run, so its memory is not in this run's peak
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        model = copy.deepcopy(initial).to(device=device, dtype=dtype)
+        if convert:
+            model = to_float8(model, args)
+        rows.append({**train_run(name, model, train_tokens, val_batches, args), "dtype": label})
+        del model
+
+    baseline = rows[0]["val_loss"]
+    for row in rows:
+        row["gap_pct"] = None if row is rows[0] else 100 * (row["val_loss"] - baseline) / baseline
+    n_linear = sum(isinstance(m, nn.Linear) for m in initial.modules())
+    print(format_table(rows))
+    print(
+        f"\nfloat8: {rows[1]['float8_linears']} of {n_linear} linear layers, lm_head kept in "
+        f"{dtype_name}; gap = relative val loss difference; step time = mean after "
+        f"{WARMUP_STEPS} warm-up steps."
+    )
+    return rows

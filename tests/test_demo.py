@@ -1,0 +1,137 @@
+import argparse
+import math
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from fp8train import Float8Linear
+from fp8train.__main__ import main
+from fp8train.data import (
+    VOCAB_SIZE,
+    batches,
+    eval_batches,
+    load_text,
+    load_text_tokens,
+    train_val_split,
+)
+from fp8train.demo import add_demo_arguments, run_demo, to_float8
+from fp8train.models import ModelArgs, Transformer
+
+# Small enough that both runs take about a second on two CPU cores. fp32: CPU bf16 is slow.
+TINY = [
+    "--steps", "6", "--dim", "32", "--n-layers", "1", "--batch-size", "2", "--seq-len", "16",
+    "--eval-batches", "2", "--device", "cpu", "--dtype", "float32", "--quiet",
+]  # fmt: skip
+
+
+def demo_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_main_demo_prints_table_of_both_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "fp8train" in out and "torch" in out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| run | dtype |") and "saved activations MiB" in table[0]
+    assert [line.split(" | ")[0] for line in table[1:]] == ["| high precision", "| float8"]
+
+
+def test_run_demo_rows() -> None:
+    rows = run_demo(demo_args(TINY))
+    assert [row["run"] for row in rows] == ["high precision", "float8"]
+    for row in rows:
+        assert len(row["losses"]) == 6
+        assert all(math.isfinite(x) for x in row["losses"])
+        assert math.isfinite(row["val_loss"]) and row["step_ms"] > 0
+        assert row["saved_activations_mib"] > 0 and row["peak_memory_mib"] is None
+    hp, fp8 = rows
+    # Same weights, same first batch: the first losses agree up to float8 error.
+    assert fp8["losses"][0] == pytest.approx(hp["losses"][0], rel=1e-2)
+    assert hp["float8_linears"] == 0 and hp["gap_pct"] is None
+    assert fp8["float8_linears"] == 7  # 4 attention + 3 feed-forward; not the lm_head
+    assert math.isfinite(fp8["gap_pct"])
+
+
+def test_to_float8_keeps_lm_head() -> None:
+    model = to_float8(Transformer(ModelArgs(dim=32, n_layers=1)), demo_args(["--device", "cpu"]))
+    assert not isinstance(model.lm_head, Float8Linear)
+    assert isinstance(model.layers[0].attention.wq, Float8Linear)
+    assert isinstance(model.layers[0].feed_forward.w2, Float8Linear)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--help"], ["demo"]),
+        (["demo", "--help"], ["--steps", "--recompute-weight-cast", "--no-recompute-input-cast",
+                              "--emulate", "--compile", "--dtype", "--eval-batches"]),
+    ],
+)  # fmt: skip
+def test_help(argv: list[str], expected: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for word in expected:
+        assert word in out
+
+
+def test_tokens_and_split() -> None:
+    tokens = load_text_tokens()
+    assert tokens.dtype == torch.long and tokens.ndim == 1 and len(tokens) > 100_000
+    assert 0 <= tokens.min() and tokens.max() < VOCAB_SIZE
+    train, val = train_val_split(tokens)
+    assert len(val) == pytest.approx(0.1 * len(tokens), abs=1)
+    assert torch.equal(torch.cat([train, val]), tokens)
+    assert torch.equal(load_text_tokens(), tokens)
+
+
+def test_text_falls_back_to_stdlib_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # makes the import fail
+    text = load_text()
+    assert len(text) > 100_000 and "def " in text
+
+
+def test_batches_are_deterministic_and_shifted() -> None:
+    tokens = load_text_tokens()
+    first = batches(tokens, 4, 32, torch.Generator().manual_seed(1))
+    second = batches(tokens, 4, 32, torch.Generator().manual_seed(1))
+    for _ in range(3):
+        (x1, y1), (x2, y2) = next(first), next(second)
+        assert x1.shape == y1.shape == (4, 32)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+        assert torch.equal(x1[:, 1:], y1[:, :-1])
+    other = next(batches(tokens, 4, 32, torch.Generator().manual_seed(2)))
+    assert not torch.equal(other[0], x1)
+
+    val = eval_batches(tokens, 4, 32, 3)
+    assert len(val) == 3 and all(x.shape == y.shape == (4, 32) for x, y in val)
+    again = eval_batches(tokens, 4, 32, 3)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(val, again, strict=True))
+
+
+def test_model_forward_shape_init_and_causality() -> None:
+    args = ModelArgs()
+    torch.manual_seed(0)
+    model = Transformer(args)
+    torch.manual_seed(0)
+    twin = Transformer(args)
+    for (name, p), q in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            assert module.bias is None
+            assert module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, args.vocab_size)
+    # Changing the last token must not change the logits of earlier positions.
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % args.vocab_size
+    torch.testing.assert_close(model(changed)[:, :-1], logits[:, :-1])
