@@ -263,6 +263,7 @@ def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
     val_batches = eval_batches(val_tokens, args.batch_size, args.seq_len, args.eval_batches)
     model_args = ModelArgs(
         dim=args.dim, n_layers=args.n_layers, ffn_dim=llama_ffn_dim(args.dim),
+        n_heads=max(4, args.dim // 64),  # head dim 64 as in LLaMA, at least 4 heads
         max_seq_len=args.seq_len,
     )  # fmt: skip
     torch.manual_seed(args.seed)
