@@ -162,21 +162,12 @@ class _Float8Matmul(torch.autograd.Function):
         weight_for_output = cast_for_gemm(weight_hp, Role.WEIGHT, Gemm.OUTPUT, config)
         output = _gemm(Gemm.OUTPUT, input_for_output, weight_for_output.t(), config, input_hp.dtype)
 
-        input_key = cast_key(config, Role.INPUT, Gemm.GRAD_WEIGHT)
-        if config.recompute_input_cast or input_key is None:
-            input_saved = input_2d
-        elif input_key == cast_key(config, Role.INPUT, Gemm.OUTPUT):
-            input_saved = input_for_output
-        else:
-            input_saved = cast_for_gemm(input_2d, Role.INPUT, Gemm.GRAD_WEIGHT, config)
-
-        weight_key = cast_key(config, Role.WEIGHT, Gemm.GRAD_INPUT)
-        if config.recompute_weight_cast or weight_key is None:
-            weight_saved = weight_hp
-        elif weight_key == cast_key(config, Role.WEIGHT, Gemm.OUTPUT):
-            weight_saved = weight_for_output
-        else:
-            weight_saved = cast_for_gemm(weight_hp, Role.WEIGHT, Gemm.GRAD_INPUT, config)
+        input_saved = _kept_for_backward(
+            input_2d, input_for_output, Role.INPUT, config.recompute_input_cast, config
+        )
+        weight_saved = _kept_for_backward(
+            weight_hp, weight_for_output, Role.WEIGHT, config.recompute_weight_cast, config
+        )
 
         input_tensors, ctx.input_meta = _pack(input_saved)
         weight_tensors, ctx.weight_meta = _pack(weight_saved)
@@ -229,6 +220,29 @@ class _Float8Matmul(torch.autograd.Function):
                 ctx.weight_dtype,
             )
         return grad_input, grad_weight, None
+
+
+# The gemm of backward that each saved role feeds.
+_BACKWARD_GEMM = {Role.INPUT: Gemm.GRAD_WEIGHT, Role.WEIGHT: Gemm.GRAD_INPUT}
+
+
+def _kept_for_backward(
+    hp: torch.Tensor,
+    cast_for_output: torch.Tensor,
+    role: Role,
+    recompute: bool,
+    config: Float8LinearConfig,
+) -> torch.Tensor:
+    """The save policy for one role: the hp tensor (recompute, or a high-precision backward
+    gemm), else the float8 tensor as the backward gemm needs it, reusing forward's cast when
+    it is the same cast."""
+    gemm = _BACKWARD_GEMM[role]
+    key = cast_key(config, role, gemm)
+    if recompute or key is None:
+        return hp
+    if key == cast_key(config, role, Gemm.OUTPUT):
+        return cast_for_output
+    return cast_for_gemm(hp, role, gemm, config)
 
 
 def _recast(
