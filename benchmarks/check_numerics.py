@@ -42,6 +42,11 @@ def run(device: str) -> list[dict]:
                 grad = torch.randn(tokens, n, device=device)
                 ref = fwd_bwd(reference, x, grad)
                 results = {}
+                row = {
+                    "granularity": granularity,
+                    "hp_dtype": str(hp_dtype).removeprefix("torch."),
+                    "M,K,N": f"{tokens},{k},{n}",
+                }
                 for emulate in (False, True):
                     config = Float8LinearConfig(
                         cast_config_input=cast,
@@ -51,13 +56,14 @@ def run(device: str) -> list[dict]:
                         pad_inner_dim=True,
                     )
                     layer = Float8Linear.from_float(copy.deepcopy(reference).to(hp_dtype), config)
-                    results[emulate] = fwd_bwd(layer, x.to(hp_dtype), grad.to(hp_dtype))
+                    try:
+                        results[emulate] = fwd_bwd(layer, x.to(hp_dtype), grad.to(hp_dtype))
+                    except RuntimeError as error:  # a gemm this GPU or torch cannot run
+                        row["error"] = str(error).splitlines()[0][:120]
+                if "error" in row:
+                    rows.append(row)
+                    continue
                 real, emulated = results[False], results[True]
-                row = {
-                    "granularity": granularity,
-                    "hp_dtype": str(hp_dtype).removeprefix("torch."),
-                    "M,K,N": f"{tokens},{k},{n}",
-                }
                 for name, r, a, e in zip(
                     ("output", "grad_input", "grad_weight"), ref, real, emulated, strict=True
                 ):
@@ -75,7 +81,8 @@ def main() -> None:
     torch.manual_seed(0)
     print_environment()
     rows = run(args.device)
-    print(markdown_table(rows))
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    print(markdown_table(rows, columns))
     if args.csv:
         write_csv(rows, args.csv)
 
