@@ -260,7 +260,11 @@ def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"device: {device_name(device)} | torch {torch.__version__} | fp8train {__version__}")
 
     train_tokens, val_tokens = train_val_split(load_text_tokens())
-    val_batches = eval_batches(val_tokens, args.batch_size, args.seq_len, args.eval_batches)
+    # Long sequences fit fewer validation windows into the held-out text: use what fits.
+    fits = len(val_tokens) // (args.batch_size * (args.seq_len + 1))
+    val_batches = eval_batches(
+        val_tokens, args.batch_size, args.seq_len, max(1, min(args.eval_batches, fits))
+    )
     model_args = ModelArgs(
         dim=args.dim, n_layers=args.n_layers, ffn_dim=llama_ffn_dim(args.dim),
         n_heads=max(4, args.dim // 64),  # head dim 64 as in LLaMA, at least 4 heads

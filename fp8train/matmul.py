@@ -27,6 +27,10 @@ from fp8train.tensor import Float8Tensor
 ALIGNMENT = 16
 """torch._scaled_mm on CUDA needs the inner dim and the output columns to be multiples of 16."""
 
+# torch._scaled_mm on the CPU takes rowwise scales from torch 2.13 on; before, an internal
+# assert fires, and rowwise gemms on the CPU are emulated instead.
+_CPU_ROWWISE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+
 # What the inner dim and the output columns of each gemm are, for error messages.
 _DIM_NAMES: dict[Gemm, tuple[str, str]] = {
     Gemm.OUTPUT: ("in_features", "out_features"),
@@ -47,11 +51,12 @@ def scaled_mm(
 ) -> torch.Tensor:
     """`a @ b` for float8 `a` (M, K) and `b` (K, N), result in `out_dtype`.
 
-    `emulate` dequantizes both and multiplies in fp32 (any device, any shape). Otherwise
+    `emulate` dequantizes both and multiplies in fp32 (any device, any shape; also rowwise
+    on the CPU before torch 2.13, which has no CPU kernel for it). Otherwise
     torch._scaled_mm runs with `a` row-major and `b` column-major; K and N must be multiples
     of 16, or are padded with zeros when `pad_inner_dim` (zeros add nothing to the sums).
     """
-    if emulate:
+    if emulate or (a._data.device.type == "cpu" and not _CPU_ROWWISE and a._scale.numel() > 1):
         return torch.mm(a.to_hp(torch.float32), b.to_hp(torch.float32)).to(out_dtype)
     a_data, b_data = a._data, b._data
     # _scaled_mm takes the fp8 -> hp scales; 0-d for tensorwise, (M, 1) and (1, N) rowwise.

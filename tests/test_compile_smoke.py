@@ -12,7 +12,14 @@ from fp8train import Float8LinearConfig, compute_error, convert_to_float8_traini
 from fp8train.models import ModelArgs, Transformer
 from tests.conftest import DEVICES
 
+OLD_TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
 
+
+# Seen on the H200 with torch 2.11: dynamo raises "Unexpected type in sourceless builder" on
+# the float8 matmul under fullgraph=True; torch 2.13 traces it. Fixing it is compile work.
+@pytest.mark.xfail(
+    OLD_TORCH, reason="graph break in the float8 matmul on torch < 2.13", strict=True
+)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recompute_weight_cast", [True, False])
 def test_llama_model_compiles_fullgraph_without_recompiles(device, recompute_weight_cast):
