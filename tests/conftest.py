@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from fp8train import CastConfig, Float8LinearConfig
+
 
 def _float8_gpu_reason() -> str | None:
     if not torch.cuda.is_available():
@@ -26,3 +28,21 @@ DEVICES = [
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def all_roles_config(granularity: str = "tensorwise", **kwargs) -> Float8LinearConfig:
+    """The same cast granularity for input, weight and grad_output."""
+    cast = CastConfig(scaling_granularity=granularity)
+    return Float8LinearConfig(
+        cast_config_input=cast, cast_config_weight=cast, cast_config_grad_output=cast, **kwargs
+    )
+
+
+def hp_grad_weight_config(**kwargs) -> Float8LinearConfig:
+    """float8 output and grad_input gemms, a high-precision grad_weight gemm."""
+    disabled = CastConfig(scaling_type="disabled")
+    return Float8LinearConfig(
+        cast_config_input_for_grad_weight=disabled,
+        cast_config_grad_output_for_grad_weight=disabled,
+        **kwargs,
+    )

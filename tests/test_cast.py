@@ -6,7 +6,7 @@ import torch
 from fp8train import Float8LinearConfig, Float8Tensor, Gemm, Role, compute_error, to_float8
 from fp8train.cast import cast_for_gemm, quantize
 from fp8train.scaling import EPS, amax_to_scale
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, all_roles_config, hp_grad_weight_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -100,26 +100,15 @@ def test_nan_input_propagates():
     ],
 )
 def test_cast_for_gemm_follows_role_and_gemm(role, gemm, rowwise_scale_shape):
-    from fp8train import CastConfig
-
     hp = torch.randn(32, 48)
     tensorwise = cast_for_gemm(hp, role, gemm, Float8LinearConfig())
     expected_dtype = E5M2 if role is Role.GRAD_OUTPUT else E4M3
     assert tensorwise._data.dtype == expected_dtype and tensorwise._scale.dim() == 0
-    rowwise = CastConfig(scaling_granularity="rowwise")
-    config = Float8LinearConfig(
-        cast_config_input=rowwise, cast_config_weight=rowwise, cast_config_grad_output=rowwise
-    )
+    config = all_roles_config("rowwise")
     assert cast_for_gemm(hp, role, gemm, config)._scale.shape == rowwise_scale_shape
 
 
 def test_disabled_cast_returns_the_hp_tensor():
-    from fp8train import CastConfig
-
-    disabled = CastConfig(scaling_type="disabled")
-    config = Float8LinearConfig(
-        cast_config_input_for_grad_weight=disabled,
-        cast_config_grad_output_for_grad_weight=disabled,
-    )
+    config = hp_grad_weight_config()
     hp = torch.randn(4, 4)
     assert cast_for_gemm(hp, Role.INPUT, Gemm.GRAD_WEIGHT, config) is hp

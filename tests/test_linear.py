@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fp8train import CastConfig, Float8Linear, Float8LinearConfig, compute_error
-from tests.conftest import DEVICES
+from fp8train import Float8Linear, Float8LinearConfig, compute_error
+from tests.conftest import DEVICES, all_roles_config, hp_grad_weight_config
 
 # SQNR floors in dB against the fp32 layer (20 dB: 10% of the signal's norm).
 OUTPUT_SQNR = 20.0
@@ -26,13 +26,6 @@ SHAPES = [
 HP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def make_config(granularity: str, **kwargs) -> Float8LinearConfig:
-    cast = CastConfig(scaling_granularity=granularity)
-    return Float8LinearConfig(
-        cast_config_input=cast, cast_config_weight=cast, cast_config_grad_output=cast, **kwargs
-    )
-
-
 def run_fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):
     x = x.detach().clone().requires_grad_()
     out = layer(x)
@@ -49,7 +42,7 @@ def test_fwd_bwd_against_fp32(
     device, granularity, emulate, hp_dtype, lead, in_features, out_features
 ):
     reference = nn.Linear(in_features, out_features, device=device)
-    config = make_config(granularity, emulate=emulate, pad_inner_dim=True)
+    config = all_roles_config(granularity, emulate=emulate, pad_inner_dim=True)
     fp8 = Float8Linear.from_float(copy.deepcopy(reference).to(hp_dtype), config)
     x = torch.randn(*lead, in_features, device=device)
     grad = torch.randn(*lead, out_features, device=device)
@@ -73,10 +66,10 @@ def test_emulation_agrees_with_scaled_mm(device, granularity, hp_dtype):
     x = torch.randn(4, 16, 64, device=device, dtype=hp_dtype)
     grad = torch.randn(4, 16, 48, device=device, dtype=hp_dtype)
     real = run_fwd_bwd(
-        Float8Linear.from_float(copy.deepcopy(base), make_config(granularity)), x, grad
+        Float8Linear.from_float(copy.deepcopy(base), all_roles_config(granularity)), x, grad
     )
     emulated = run_fwd_bwd(
-        Float8Linear.from_float(copy.deepcopy(base), make_config(granularity, emulate=True)),
+        Float8Linear.from_float(copy.deepcopy(base), all_roles_config(granularity, emulate=True)),
         x,
         grad,
     )
@@ -85,11 +78,7 @@ def test_emulation_agrees_with_scaled_mm(device, granularity, hp_dtype):
 
 
 def test_high_precision_grad_weight_gemm_is_exact_to_fp32():
-    disabled = CastConfig(scaling_type="disabled")
-    config = Float8LinearConfig(
-        cast_config_input_for_grad_weight=disabled,
-        cast_config_grad_output_for_grad_weight=disabled,
-    )
+    config = hp_grad_weight_config()
     reference = nn.Linear(64, 48)
     x, grad = torch.randn(32, 64), torch.randn(32, 48)
     ref = run_fwd_bwd(reference, x, grad)

@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from fp8train import CastConfig, Float8Linear, Float8LinearConfig
+from fp8train import Float8Linear, Float8LinearConfig
+from tests.conftest import all_roles_config, hp_grad_weight_config
 
 M, K, N = 64, 96, 48
 E4M3 = torch.float8_e4m3fn
@@ -73,13 +74,7 @@ def test_tensorwise_save_policy(recompute_weight_cast, recompute_input_cast, hp_
 
 
 def test_rowwise_keeps_the_input_scaled_for_the_grad_weight_gemm():
-    rowwise = CastConfig(scaling_granularity="rowwise")
-    config = Float8LinearConfig(
-        cast_config_input=rowwise,
-        cast_config_weight=rowwise,
-        cast_config_grad_output=rowwise,
-        recompute_weight_cast=False,
-    )
+    config = all_roles_config("rowwise", recompute_weight_cast=False)
     layer = Float8Linear(K, N, bias=False, config=config)
     saved = saved_by_forward(layer, torch.randn(M, K))
     # input: one scale per column (reduced over the tokens, the grad_weight gemm's inner dim);
@@ -93,11 +88,7 @@ def test_rowwise_keeps_the_input_scaled_for_the_grad_weight_gemm():
 
 
 def test_high_precision_grad_weight_gemm_keeps_the_hp_input():
-    disabled = CastConfig(scaling_type="disabled")
-    config = Float8LinearConfig(
-        cast_config_input_for_grad_weight=disabled,
-        cast_config_grad_output_for_grad_weight=disabled,
-    )
+    config = hp_grad_weight_config()
     layer = Float8Linear(K, N, bias=False, config=config)
     saved = saved_by_forward(layer, torch.randn(M, K))
     assert describe(saved, layer.weight) == [
@@ -120,17 +111,14 @@ def test_float8_input_saves_half_of_bf16_training():
 def test_every_policy_gives_the_same_gradients(granularity):
     """Recomputing a cast gives the same float8 bytes as keeping it: the policy is free of
     numerical effect."""
-    cast = CastConfig(scaling_granularity=granularity)
     base = Float8Linear(K, N)
     x, grad = torch.randn(M, K), torch.randn(M, N)
     results = []
     for recompute_weight_cast in (True, False):
         for recompute_input_cast in (True, False):
             layer = copy.deepcopy(base)
-            layer.config = Float8LinearConfig(
-                cast_config_input=cast,
-                cast_config_weight=cast,
-                cast_config_grad_output=cast,
+            layer.config = all_roles_config(
+                granularity,
                 recompute_weight_cast=recompute_weight_cast,
                 recompute_input_cast=recompute_input_cast,
             )
