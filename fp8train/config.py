@@ -182,7 +182,35 @@ class Float8LinearConfig:
     """False keeps the input for backward in float8 (1 byte per element, half of bf16), cast as
     the grad_weight gemm needs it. True keeps the high-precision input and recasts it."""
 
+    _casts: dict = dataclasses.field(init=False, repr=False, compare=False)
+    _gemms: dict = dataclasses.field(init=False, repr=False, compare=False)
+    # Every (role, gemm) cast and every gemm config resolved once, here: forward and backward
+    # only look them up, which keeps enum construction and dataclasses.replace out of the code
+    # that torch.compile traces (torch 2.11's dynamo cannot trace them inside autograd.Function).
+
     def __post_init__(self) -> None:
+        base = {
+            Role.INPUT: self.cast_config_input,
+            Role.WEIGHT: self.cast_config_weight,
+            Role.GRAD_OUTPUT: self.cast_config_grad_output,
+        }
+        overrides = {
+            (Role.INPUT, Gemm.GRAD_WEIGHT): self.cast_config_input_for_grad_weight,
+            (Role.WEIGHT, Gemm.GRAD_INPUT): self.cast_config_weight_for_grad_input,
+            (Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): self.cast_config_grad_output_for_grad_weight,
+        }
+        casts = {
+            (role, gemm): (overrides.get((role, gemm)) or base[role]).resolved(role)
+            for gemm, roles in GEMM_OPERANDS.items()
+            for role in roles
+        }
+        object.__setattr__(self, "_casts", casts)
+        gemms = {
+            Gemm.OUTPUT: self.gemm_config_output,
+            Gemm.GRAD_INPUT: self.gemm_config_grad_input,
+            Gemm.GRAD_WEIGHT: self.gemm_config_grad_weight,
+        }
+        object.__setattr__(self, "_gemms", gemms)
         for gemm, (role_a, role_b) in GEMM_OPERANDS.items():
             cast_a, cast_b = self.cast_config(role_a, gemm), self.cast_config(role_b, gemm)
             if cast_a.enabled != cast_b.enabled:
@@ -209,25 +237,17 @@ class Float8LinearConfig:
                 )
 
     def cast_config(self, role: Role, gemm: Gemm) -> CastConfig:
-        """The cast of `role` as an operand of `gemm`, overrides applied, dtype resolved."""
-        role, gemm = Role(role), Gemm(gemm)
-        if role not in GEMM_OPERANDS[gemm]:
-            raise ValueError(f"{role.value} is not an operand of the {gemm.value} gemm")
-        override = {
-            (Role.INPUT, Gemm.GRAD_WEIGHT): self.cast_config_input_for_grad_weight,
-            (Role.WEIGHT, Gemm.GRAD_INPUT): self.cast_config_weight_for_grad_input,
-            (Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): self.cast_config_grad_output_for_grad_weight,
-        }.get((role, gemm))
-        base = {
-            Role.INPUT: self.cast_config_input,
-            Role.WEIGHT: self.cast_config_weight,
-            Role.GRAD_OUTPUT: self.cast_config_grad_output,
-        }[role]
-        return (override or base).resolved(role)
+        """The cast of `role` as an operand of `gemm`, overrides applied, dtype resolved.
+        `role` and `gemm` may be the enums or their string values."""
+        try:
+            return self._casts[(role, gemm)]
+        except KeyError:
+            role, gemm = Role(role).value, Gemm(gemm).value
+            raise ValueError(f"{role} is not an operand of the {gemm} gemm") from None
 
     def gemm_config(self, gemm: Gemm) -> Float8GemmConfig:
-        return {
-            Gemm.OUTPUT: self.gemm_config_output,
-            Gemm.GRAD_INPUT: self.gemm_config_grad_input,
-            Gemm.GRAD_WEIGHT: self.gemm_config_grad_weight,
-        }[Gemm(gemm)]
+        try:
+            return self._gemms[gemm]
+        except KeyError:
+            _parse(Gemm, gemm)  # raises, listing the gemms
+            raise

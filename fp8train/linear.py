@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fp8train.config import HP_DTYPES, Float8LinearConfig, Gemm, ScalingGranularity
-from fp8train.matmul import ALIGNMENT, _Float8Matmul, misaligned_message, tokens_misaligned
+from fp8train.matmul import ALIGNMENT, linear_mm, misaligned_message, tokens_misaligned
 
 
 class Float8Linear(nn.Linear):
@@ -46,7 +46,7 @@ class Float8Linear(nn.Linear):
             raise ValueError(
                 misaligned_message(Gemm.GRAD_WEIGHT, tokens, self.in_features, self.fqn)
             )
-        output = _Float8Matmul.apply(input, self.weight, self.config)
+        output = linear_mm(input, self.weight, self.config)
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output

@@ -6,13 +6,8 @@
 
 M = tokens (all leading dims of the input flattened), K = in_features, N = out_features.
 
-What is kept between forward and backward is the config's save policy, nothing else:
-    weight  recompute_weight_cast=True   the hp weight (the parameter itself: no new memory),
-                                         recast in backward
-            recompute_weight_cast=False  the float8 weight, as the grad_input gemm needs it
-    input   recompute_input_cast=False   the float8 input, as the grad_weight gemm needs it
-            recompute_input_cast=True    the hp input, recast in backward
-A gemm configured to run in high precision (scaling_type 'disabled') keeps its hp operand.
+What is kept between forward and backward is the config's save policy, nothing else; see
+fp8train/policy.py, which also makes torch.compile keep to it.
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ import torch.nn.functional as F
 
 from fp8train.cast import cast_for_gemm, cast_key
 from fp8train.config import Float8LinearConfig, Gemm, Role
+from fp8train.policy import forward_operands, kept_for_backward
 from fp8train.tensor import Float8Tensor
 
 ALIGNMENT = 16
@@ -155,33 +151,36 @@ def _unpack(tensors: tuple[torch.Tensor, ...], meta: tuple | None) -> torch.Tens
 
 
 class _Float8Matmul(torch.autograd.Function):
+    """The three gemms. Forward gets its operands already cast by fp8train.policy, which decides
+    (and under torch.compile enforces) what backward keeps; forward saves just that."""
+
     @staticmethod
     def forward(  # noqa: D102
         ctx: torch.autograd.function.FunctionCtx,
         input_hp: torch.Tensor,
         weight_hp: torch.Tensor,
+        input_for_output: Float8Tensor | None,
+        weight_for_output: Float8Tensor | None,
+        input_for_backward: Float8Tensor | None,
+        weight_for_backward: Float8Tensor | None,
         config: Float8LinearConfig,
     ) -> torch.Tensor:
-        input_2d = input_hp.reshape(-1, input_hp.shape[-1])
-        input_for_output = cast_for_gemm(input_2d, Role.INPUT, Gemm.OUTPUT, config)
-        weight_for_output = cast_for_gemm(weight_hp, Role.WEIGHT, Gemm.OUTPUT, config)
-        output = _gemm(Gemm.OUTPUT, input_for_output, weight_for_output.t(), config, input_hp.dtype)
-
-        input_saved = _kept_for_backward(
-            input_2d, input_for_output, Role.INPUT, config.recompute_input_cast, config
+        a = input_hp if input_for_output is None else input_for_output
+        b = weight_hp if weight_for_output is None else weight_for_output
+        output = _gemm(Gemm.OUTPUT, a, b.t(), config, input_hp.dtype)
+        input_kept = kept_for_backward(
+            input_hp, input_for_output, input_for_backward, Role.INPUT, config
         )
-        weight_saved = _kept_for_backward(
-            weight_hp, weight_for_output, Role.WEIGHT, config.recompute_weight_cast, config
+        weight_kept = kept_for_backward(
+            weight_hp, weight_for_output, weight_for_backward, Role.WEIGHT, config
         )
-
-        input_tensors, ctx.input_meta = _pack(input_saved)
-        weight_tensors, ctx.weight_meta = _pack(weight_saved)
+        input_tensors, ctx.input_meta = _pack(input_kept)
+        weight_tensors, ctx.weight_meta = _pack(weight_kept)
         ctx.num_input_tensors = len(input_tensors)
         ctx.save_for_backward(*input_tensors, *weight_tensors)
         ctx.config = config
-        ctx.input_shape, ctx.input_dtype = input_hp.shape, input_hp.dtype
-        ctx.weight_dtype = weight_hp.dtype
-        return output.reshape(*input_hp.shape[:-1], output.shape[-1])
+        ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
+        return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205, D102
@@ -189,13 +188,12 @@ class _Float8Matmul(torch.autograd.Function):
         saved = ctx.saved_tensors
         input_saved = _unpack(saved[: ctx.num_input_tensors], ctx.input_meta)
         weight_saved = _unpack(saved[ctx.num_input_tensors :], ctx.weight_meta)
-        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_input = grad_weight = None
 
         grad_output_for_grad_input = None
         if ctx.needs_input_grad[0]:
             grad_output_for_grad_input = cast_for_gemm(
-                grad_output_2d, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT, config
+                grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT, config
             )
             weight_for_grad_input = _recast(weight_saved, Role.WEIGHT, Gemm.GRAD_INPUT, config)
             grad_input = _gemm(
@@ -204,7 +202,7 @@ class _Float8Matmul(torch.autograd.Function):
                 weight_for_grad_input,
                 config,
                 ctx.input_dtype,
-            ).reshape(ctx.input_shape)
+            )
 
         if ctx.needs_input_grad[1]:
             same_cast = cast_key(config, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT) == cast_key(
@@ -214,7 +212,7 @@ class _Float8Matmul(torch.autograd.Function):
                 grad_output_for_grad_weight = grad_output_for_grad_input
             else:
                 grad_output_for_grad_weight = cast_for_gemm(
-                    grad_output_2d, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, config
+                    grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, config
                 )
             input_for_grad_weight = _recast(input_saved, Role.INPUT, Gemm.GRAD_WEIGHT, config)
             grad_weight = _gemm(
@@ -224,30 +222,26 @@ class _Float8Matmul(torch.autograd.Function):
                 config,
                 ctx.weight_dtype,
             )
-        return grad_input, grad_weight, None
+        return grad_input, grad_weight, None, None, None, None, None
 
 
-# The gemm of backward that each saved role feeds.
-_BACKWARD_GEMM = {Role.INPUT: Gemm.GRAD_WEIGHT, Role.WEIGHT: Gemm.GRAD_INPUT}
-
-
-def _kept_for_backward(
-    hp: torch.Tensor,
-    cast_for_output: torch.Tensor,
-    role: Role,
-    recompute: bool,
-    config: Float8LinearConfig,
+def linear_mm(
+    input: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig
 ) -> torch.Tensor:
-    """The save policy for one role: the hp tensor (recompute, or a high-precision backward
-    gemm), else the float8 tensor as the backward gemm needs it, reusing forward's cast when
-    it is the same cast."""
-    gemm = _BACKWARD_GEMM[role]
-    key = cast_key(config, role, gemm)
-    if recompute or key is None:
-        return hp
-    if key == cast_key(config, role, Gemm.OUTPUT):
-        return cast_for_output
-    return cast_for_gemm(hp, role, gemm, config)
+    """`input @ weight.T` through the float8 gemms, any leading dims; no checks."""
+    input_2d = input.reshape(-1, input.shape[-1])
+    input_for_output, input_for_backward = forward_operands(input_2d, Role.INPUT, config)
+    weight_for_output, weight_for_backward = forward_operands(weight, Role.WEIGHT, config)
+    output = _Float8Matmul.apply(
+        input_2d,
+        weight,
+        input_for_output,
+        weight_for_output,
+        input_for_backward,
+        weight_for_backward,
+        config,
+    )
+    return output.reshape(*input.shape[:-1], output.shape[-1])
 
 
 def _recast(
@@ -278,4 +272,4 @@ def float8_matmul(
                 Gemm.GRAD_WEIGHT, input.numel() // input.shape[-1], input.shape[-1], fqn
             )
         )
-    return _Float8Matmul.apply(input, weight, config)
+    return linear_mm(input, weight, config)

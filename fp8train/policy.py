@@ -1,0 +1,138 @@
+"""The save policy: what a Float8Linear keeps between forward and backward, in eager mode and
+under torch.compile.
+
+    weight  recompute_weight_cast=True   the hp weight (the parameter itself: no new memory),
+                                         recast in backward
+            recompute_weight_cast=False  the float8 weight, cast as the grad_input gemm needs it
+    input   recompute_input_cast=False   the float8 input, cast as the grad_weight gemm needs it
+            recompute_input_cast=True    the hp input, recast in backward
+A gemm configured to run in high precision (scaling_type 'disabled') keeps its hp operand.
+
+Eager mode: the matmul's autograd.Function saves exactly these tensors.
+
+torch.compile: the partitioner ignores save_for_backward; it traces forward and backward into
+one graph, merges the backward's recast with the forward's cast (common subexpressions) and
+chooses what to keep by size, so that left alone it keeps the float8 input and recasts the
+weight whatever the config says. Each forward cast therefore runs in its own selective
+activation-checkpoint region whose policy tags every op of the cast MUST_SAVE (the float8 result
+is kept) or MUST_RECOMPUTE (backward recasts from the hp tensor) - the tags the partitioner
+honours. Inside a user's activation-checkpoint region the casts are tagged PREFER_RECOMPUTE
+instead: the user asked for that region to be recomputed, and forcing float8 copies of every
+linear input to be kept there would cost more memory than the checkpoint saves.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachingTorchDispatchMode,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from fp8train.cast import cast_for_gemm, cast_key
+from fp8train.config import Float8LinearConfig, Gemm, Role
+from fp8train.tensor import Float8Tensor
+
+# The gemm of backward that each role's kept tensor feeds.
+BACKWARD_GEMM = {Role.INPUT: Gemm.GRAD_WEIGHT, Role.WEIGHT: Gemm.GRAD_INPUT}
+
+
+def _recompute_requested(config: Float8LinearConfig, role: Role) -> bool:
+    return config.recompute_input_cast if role is Role.INPUT else config.recompute_weight_cast
+
+
+def keeps_float8(config: Float8LinearConfig, role: Role) -> bool:
+    """True if backward keeps `role` in float8 from forward, False if it keeps the hp tensor."""
+    return not _recompute_requested(config, role) and (
+        cast_key(config, role, BACKWARD_GEMM[role]) is not None
+    )
+
+
+def forward_operands(
+    hp: torch.Tensor, role: Role, config: Float8LinearConfig
+) -> tuple[Float8Tensor | None, Float8Tensor | None]:
+    """The casts forward makes of `hp` (input (M, K) or weight (N, K)): for the output gemm
+    (None: that gemm runs in high precision on `hp`), and a second cast that backward keeps
+    when its gemm needs a different one (None: backward keeps `hp` or the first cast, see
+    `kept_for_backward`). None instead of repeats: autograd.Function under torch.compile
+    refuses the same tensor twice."""
+    backward_gemm = BACKWARD_GEMM[role]
+    keep = keeps_float8(config, role)
+    shared = _shared(config, role)
+    # The output gemm's cast is kept when backward shares it; when backward recasts the same
+    # cast from hp, it must be recomputed, not kept; otherwise backward never needs it.
+    for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, keep=keep and shared)
+    if not keep or shared:
+        return for_output, None
+    return for_output, _tagged_cast(hp, role, backward_gemm, config, keep=True)
+
+
+def kept_for_backward(
+    hp: torch.Tensor,
+    for_output: Float8Tensor | None,
+    for_backward: Float8Tensor | None,
+    role: Role,
+    config: Float8LinearConfig,
+) -> torch.Tensor:
+    """What backward keeps of `role`, from `forward_operands`' results."""
+    if not keeps_float8(config, role):
+        return hp
+    return for_output if _shared(config, role) else for_backward
+
+
+def _shared(config: Float8LinearConfig, role: Role) -> bool:
+    return cast_key(config, role, Gemm.OUTPUT) == cast_key(config, role, BACKWARD_GEMM[role])
+
+
+def _tagged_cast(
+    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig, *, keep: bool
+) -> Float8Tensor | None:
+    cast = config.cast_config(role, gemm)
+    if not cast.enabled:
+        return None
+    if not torch.compiler.is_compiling():
+        with torch.no_grad():
+            return cast_for_gemm(hp, role, gemm, config)
+    # The region returns plain tensors: a subclass output of a checkpoint region is not traced.
+    data, scale = checkpoint(
+        _cast_to_tensors,
+        hp,
+        role,
+        gemm,
+        config,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _SAVE_POLICIES[keep]),
+    )
+    return Float8Tensor(data, scale, hp.dtype, cast.scaling_granularity)
+
+
+def _cast_to_tensors(
+    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # No autograd graph for the cast: gradients reach hp through the matmul's own backward.
+    with torch.no_grad():
+        fp8 = cast_for_gemm(hp, role, gemm, config)
+    return fp8._data, fp8._scale
+
+
+def _inside_user_checkpoint() -> bool:
+    """True while tracing inside an enclosing activation-checkpoint region (its dispatch mode
+    stays on the stack while our region's mode runs the policy)."""
+    return any(isinstance(m, _CachingTorchDispatchMode) for m in _get_current_dispatch_mode_stack())
+
+
+def _policy(tag: CheckpointPolicy, ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
+    if _inside_user_checkpoint():
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return tag
+
+
+_SAVE_POLICIES = {
+    True: functools.partial(_policy, CheckpointPolicy.MUST_SAVE),
+    False: functools.partial(_policy, CheckpointPolicy.MUST_RECOMPUTE),
+}
