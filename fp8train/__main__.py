@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Sequence
 
 from fp8train.demo import add_demo_arguments, run_demo
@@ -25,7 +26,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_demo_arguments(demo)
     demo.set_defaults(func=run_demo)
+
+    for name, summary in BENCHMARKS.items():
+        bench = commands.add_parser(
+            f"bench-{name}", help=summary, description=f"{summary} (benchmarks/bench_{name}.py)"
+        )
+        module = _benchmark(name)
+        if module is None:
+            bench.set_defaults(func=_no_benchmarks)
+        else:
+            module.add_arguments(bench)
+            bench.set_defaults(func=module.main)
     return parser
+
+
+BENCHMARKS = {
+    "memory": "peak memory of fwd+bwd: bf16 against float8 under each save policy",
+}
+
+
+def _benchmark(name: str):  # noqa: ANN202
+    """benchmarks/bench_<name>.py, or None outside a checkout of the repository (the
+    benchmarks are not installed with the package)."""
+    try:
+        return importlib.import_module(f"benchmarks.bench_{name}")
+    except ModuleNotFoundError as error:
+        if error.name != "benchmarks" and error.name != f"benchmarks.bench_{name}":
+            raise
+        return None
+
+
+def _no_benchmarks(args: argparse.Namespace) -> None:
+    raise SystemExit(
+        f"{args.command}: the benchmarks live in the repository's benchmarks/ folder, which is "
+        "not installed with the package: run this from the root of a checkout"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from fp8train.config import CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
+from fp8train.kernels import HAS_TRITON, quantize_2d
 from fp8train.scaling import amax, amax_to_scale
 from fp8train.tensor import Float8Tensor
 
@@ -49,10 +50,37 @@ def quantize(
     granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
 ) -> Float8Tensor:
     """`saturate(hp * scale)` in float8, with a given scale."""
+    if hp.is_cuda and hp.dim() == 2 and HAS_TRITON and not torch.compiler.is_compiling():
+        # Eager CUDA: one pass, no fp32 temporaries. Compiled: the torch path, which inductor
+        # fuses with the amax and with whatever produced hp.
+        data = torch.ops.fp8train.saturated_cast(hp, scale, float8_dtype)
+    else:
+        data = _saturated_cast(hp, scale, float8_dtype)
+    return Float8Tensor(data, scale, hp.dtype, granularity)
+
+
+def _saturated_cast(
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
+) -> torch.Tensor:
     fp8_max = torch.finfo(float8_dtype).max
     # Saturate before the cast: float8_e4m3fn has no inf, an overflow would become NaN.
-    data = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(float8_dtype)
-    return Float8Tensor(data, scale, hp.dtype, granularity)
+    return (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(float8_dtype)
+
+
+@torch.library.custom_op("fp8train::saturated_cast", mutates_args=())
+def _saturated_cast_op(
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
+) -> torch.Tensor:
+    """The float8 bytes of saturate(hp * scale): the Triton kernel where it runs (2-D, CUDA),
+    else the torch path. An op of its own so that a traced graph holds it as one node."""
+    if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
+        return quantize_2d(hp, scale, float8_dtype)
+    return _saturated_cast(hp, scale, float8_dtype)
+
+
+@_saturated_cast_op.register_fake
+def _(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
 
 
 def cast_key(config: Float8LinearConfig, role: Role, gemm: Gemm) -> tuple | None:

@@ -1,0 +1,187 @@
+"""Peak memory of one forward + backward, bf16 against float8 under each save policy, in eager
+mode and compiled, with torchao.float8 as a column when it is importable.
+
+    python -m benchmarks.bench_memory [--cases linear-4096 linear-16384 llama] [--csv out.csv]
+    python -m fp8train bench-memory ...     (the same, run from a checkout of the repository)
+
+Cases:
+    linear-4096    10 x Linear(4096, 4096, bias=False), batch 4096: float8_experimental's case
+    linear-16384   the same at batch 16384, where activations dominate
+    llama          a LLaMA-style decoder (d=4096, 32 heads, FFN 14336, seq 4096) of --llama-layers
+
+Each cell is the peak of torch.cuda.max_memory_allocated() over one fwd+bwd after two warm-up
+steps, everything included (parameters, input, gradients), and its ratio to bf16 in the same
+mode. Compiled runs compile per layer (linear cases) or per block (llama), as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from benchmarks.utils import markdown_table, print_environment, write_csv
+from fp8train import Float8LinearConfig, convert_to_float8_training
+from fp8train.models import ModelArgs, Transformer, TransformerBlock
+
+try:
+    import torchao.float8 as torchao_float8
+except ImportError:
+    torchao_float8 = None
+
+GIB = 2**30
+
+FP8_CONFIGS: dict[str, Float8LinearConfig] = {
+    "fp8 recompute-weight": Float8LinearConfig(),
+    "fp8 keep-weight": Float8LinearConfig(recompute_weight_cast=False),
+    "fp8 keep-hp-input": Float8LinearConfig(recompute_input_cast=True),
+}
+
+
+@dataclass
+class Case:
+    build: Callable[[], nn.Module]
+    make_input: Callable[[], torch.Tensor]
+    compile_unit: type[nn.Module]
+    """The modules compiled one by one under --compile."""
+
+
+def linear_case(batch: int) -> Case:
+    def build() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(10)])
+
+    def make_input() -> torch.Tensor:
+        return torch.randn(batch, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    return Case(build, make_input, nn.Linear)
+
+
+def llama_case(n_layers: int, seq_len: int, batch: int) -> Case:
+    args = ModelArgs(
+        vocab_size=256, dim=4096, n_layers=n_layers, n_heads=32, ffn_dim=14336, max_seq_len=seq_len
+    )
+
+    def make_input() -> torch.Tensor:
+        return torch.randint(0, args.vocab_size, (batch, seq_len), device="cuda")
+
+    return Case(lambda: Transformer(args), make_input, TransformerBlock)
+
+
+def _skip_output_layer(module: nn.Module, fqn: str) -> bool:
+    return fqn != "lm_head"
+
+
+def convert(model: nn.Module, name: str) -> nn.Module:
+    if name == "bf16":
+        return model
+    if name == "torchao.float8":
+        return torchao_float8.convert_to_float8_training(model, module_filter_fn=_skip_output_layer)
+    return convert_to_float8_training(
+        model, config=FP8_CONFIGS[name], module_filter_fn=_skip_output_layer
+    )
+
+
+def compile_units(model: nn.Module, unit: type[nn.Module]) -> None:
+    for name, child in list(model.named_children()):
+        if isinstance(child, unit):
+            setattr(model, name, torch.compile(child))
+        else:
+            compile_units(child, unit)
+
+
+def peak_gib(model: nn.Module, case: Case) -> float:
+    x = case.make_input()
+    out_shape = model(x).shape
+    grad = torch.randn(out_shape, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        model(x).backward(grad)
+    model.zero_grad(set_to_none=True)
+    if x.grad is not None:
+        x.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    model(x).backward(grad)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / GIB
+
+
+def run(case_names: list[str], modes: list[str], llama_layers: int) -> list[dict]:
+    cases = {
+        "linear-4096": lambda: linear_case(4096),
+        "linear-16384": lambda: linear_case(16384),
+        "llama": lambda: llama_case(llama_layers, seq_len=4096, batch=1),
+    }
+    configs = ["bf16", *FP8_CONFIGS]
+    if torchao_float8 is not None:
+        configs.append("torchao.float8")
+    rows = []
+    for case_name in case_names:
+        case = cases[case_name]()
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            base = case.build().to(torch.bfloat16)
+        for mode in modes:
+            row = {"case": case_name, "mode": mode}
+            for name in configs:
+                model = convert(copy.deepcopy(base), name)
+                if mode == "compiled":
+                    torch._dynamo.reset()
+                    compile_units(model, case.compile_unit)
+                row[name] = peak_gib(model, case)
+                del model
+                gc.collect()
+                torch.cuda.empty_cache()
+            rows.append(row)
+        del base
+    return rows
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each cell as 'GiB (ratio to bf16)'."""
+    shown = []
+    for row in rows:
+        out = {"case": row["case"], "mode": row["mode"], "bf16": f"{row['bf16']:.2f}"}
+        for name, value in row.items():
+            if name in ("case", "mode", "bf16"):
+                continue
+            out[name] = f"{value:.2f} ({value / row['bf16']:.2f}x)"
+        shown.append(out)
+    return shown
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["linear-4096", "linear-16384", "llama"],
+        choices=["linear-4096", "linear-16384", "llama"],
+    )
+    parser.add_argument(
+        "--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"]
+    )
+    parser.add_argument("--llama-layers", type=int, default=4, help="decoder blocks (default 4)")
+    parser.add_argument("--csv", help="also write the raw GiB figures to this CSV file")
+
+
+def main(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_memory measures CUDA memory: run it on a GPU")
+    print_environment()
+    print(f"- torchao.float8: {'not importable' if torchao_float8 is None else 'yes'}\n")
+    rows = run(args.cases, args.modes, args.llama_layers)
+    print("Peak memory of one forward + backward, GiB (ratio to bf16 in the same mode)\n")
+    print(markdown_table(with_ratios(rows)))
+    if args.csv:
+        write_csv(rows, args.csv)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())

@@ -1,0 +1,10 @@
+"""Triton kernels for CUDA, each with the torch path it must agree with.
+
+Kernels are used in eager mode on CUDA, where each torch op is a separate pass over memory with
+its own temporaries. Under torch.compile the torch path is traced instead and inductor fuses it
+with the neighbouring ops, which an opaque kernel would prevent.
+"""
+
+from fp8train.kernels.cast import HAS_TRITON, quantize_2d
+
+__all__ = ["HAS_TRITON", "quantize_2d"]
