@@ -17,7 +17,6 @@ mode. Compiled runs compile per layer (linear cases) or per block (llama), as to
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,8 +30,11 @@ from fp8train.models import ModelArgs, Transformer, TransformerBlock
 
 try:
     import torchao.float8 as torchao_float8
-except ImportError:
+
+    TORCHAO = "torchao " + __import__("torchao").__version__
+except ImportError as error:
     torchao_float8 = None
+    TORCHAO = f"not importable ({error})"
 
 GIB = 2**30
 
@@ -123,13 +125,13 @@ def run(case_names: list[str], modes: list[str], llama_layers: int) -> list[dict
     rows = []
     for case_name in case_names:
         case = cases[case_name]()
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            base = case.build().to(torch.bfloat16)
         for mode in modes:
             row = {"case": case_name, "mode": mode}
             for name in configs:
-                model = convert(copy.deepcopy(base), name)
+                # Built anew for each config from the same seed: nothing else on the GPU.
+                torch.manual_seed(0)
+                with torch.device("cuda"):
+                    model = convert(case.build().to(torch.bfloat16), name)
                 if mode == "compiled":
                     torch._dynamo.reset()
                     compile_units(model, case.compile_unit)
@@ -138,7 +140,6 @@ def run(case_names: list[str], modes: list[str], llama_layers: int) -> list[dict
                 gc.collect()
                 torch.cuda.empty_cache()
             rows.append(row)
-        del base
     return rows
 
 
@@ -173,7 +174,7 @@ def main(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_memory measures CUDA memory: run it on a GPU")
     print_environment()
-    print(f"- torchao.float8: {'not importable' if torchao_float8 is None else 'yes'}\n")
+    print(f"- torchao.float8: {TORCHAO}\n")
     rows = run(args.cases, args.modes, args.llama_layers)
     print("Peak memory of one forward + backward, GiB (ratio to bf16 in the same mode)\n")
     print(markdown_table(with_ratios(rows)))

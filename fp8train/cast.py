@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fp8train.config import CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
-from fp8train.kernels import HAS_TRITON, quantize_2d
+from fp8train.kernels import HAS_TRITON, empty_2d, quantize_2d
 from fp8train.scaling import amax, amax_to_scale
 from fp8train.tensor import Float8Tensor
 
@@ -24,6 +24,17 @@ _INNER_DIM: dict[tuple[Role, Gemm], int] = {
     (Role.INPUT, Gemm.GRAD_WEIGHT): 0,  # M
 }
 
+# The layout each operand must have in memory for torch._scaled_mm (a row-major, b
+# column-major): True where it is column-major in its role's shape. Casts write it directly.
+_COLUMN_MAJOR: dict[tuple[Role, Gemm], bool] = {
+    (Role.INPUT, Gemm.OUTPUT): False,  # a
+    (Role.WEIGHT, Gemm.OUTPUT): False,  # b = weight.T, column-major when weight is row-major
+    (Role.GRAD_OUTPUT, Gemm.GRAD_INPUT): False,  # a
+    (Role.WEIGHT, Gemm.GRAD_INPUT): True,  # b
+    (Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): True,  # a = grad_output.T, row-major
+    (Role.INPUT, Gemm.GRAD_WEIGHT): True,  # b
+}
+
 
 def to_float8(
     hp: torch.Tensor,
@@ -32,15 +43,16 @@ def to_float8(
     *,
     reduce_dim: int | None = None,
     round_scales_to_power_of_2: bool = False,
+    column_major: bool = False,
 ) -> Float8Tensor:
     """Cast `hp` to float8 with a dynamic scale from its amax (reduced along `reduce_dim`
-    for rowwise)."""
+    for rowwise); `column_major` lays a 2-D result out column-major."""
     scale = amax_to_scale(
         amax(hp, granularity, reduce_dim),
         float8_dtype,
         round_to_power_of_2=round_scales_to_power_of_2,
     )
-    return quantize(hp, scale, float8_dtype, granularity)
+    return quantize(hp, scale, float8_dtype, granularity, column_major=column_major)
 
 
 def quantize(
@@ -48,39 +60,60 @@ def quantize(
     scale: torch.Tensor,
     float8_dtype: torch.dtype,
     granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
+    *,
+    column_major: bool = False,
 ) -> Float8Tensor:
     """`saturate(hp * scale)` in float8, with a given scale."""
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON and not torch.compiler.is_compiling():
         # Eager CUDA: one pass, no fp32 temporaries. Compiled: the torch path, which inductor
         # fuses with the amax and with whatever produced hp.
-        data = torch.ops.fp8train.saturated_cast(hp, scale, float8_dtype)
+        data = torch.ops.fp8train.saturated_cast(hp, scale, float8_dtype, column_major)
     else:
-        data = _saturated_cast(hp, scale, float8_dtype)
+        data = _saturated_cast(hp, scale, float8_dtype, column_major)
     return Float8Tensor(data, scale, hp.dtype, granularity)
 
 
 def _saturated_cast(
-    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool = False
 ) -> torch.Tensor:
     fp8_max = torch.finfo(float8_dtype).max
     # Saturate before the cast: float8_e4m3fn has no inf, an overflow would become NaN.
-    return (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(float8_dtype)
+    data = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(float8_dtype)
+    return _column_major(data) if column_major else data
+
+
+def _column_major(data: torch.Tensor) -> torch.Tensor:
+    return data if data.t().is_contiguous() else data.t().contiguous().t()
+
+
+def with_layout(fp8: Float8Tensor, role: Role, gemm: Gemm) -> Float8Tensor:
+    """`fp8` laid out as `gemm` needs it: itself, or a transposed copy of its bytes."""
+    if not _COLUMN_MAJOR[(role, gemm)] or fp8._data.dim() != 2:
+        return fp8
+    data = _column_major(fp8._data)
+    if data is fp8._data:
+        return fp8
+    return Float8Tensor(data, fp8._scale, fp8._orig_dtype, fp8._granularity)
 
 
 @torch.library.custom_op("fp8train::saturated_cast", mutates_args=())
 def _saturated_cast_op(
-    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool
 ) -> torch.Tensor:
     """The float8 bytes of saturate(hp * scale): the Triton kernel where it runs (2-D, CUDA),
     else the torch path. An op of its own so that a traced graph holds it as one node."""
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
-        return quantize_2d(hp, scale, float8_dtype)
-    return _saturated_cast(hp, scale, float8_dtype)
+        return quantize_2d(hp, scale, float8_dtype, column_major)
+    return _saturated_cast(hp, scale, float8_dtype, column_major)
 
 
 @_saturated_cast_op.register_fake
-def _(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
+def _(
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool
+) -> torch.Tensor:
+    if hp.dim() != 2:
+        return torch.empty_like(hp, dtype=float8_dtype)
+    return empty_2d(*hp.shape, float8_dtype, hp.device, column_major)
 
 
 def cast_key(config: Float8LinearConfig, role: Role, gemm: Gemm) -> tuple | None:
@@ -108,6 +141,7 @@ def cast_for_gemm(
         cast.scaling_granularity,
         reduce_dim=_INNER_DIM[(role, gemm)] if rowwise else None,
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+        column_major=hp.dim() == 2 and _COLUMN_MAJOR[(role, gemm)],
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fp8train.cast import cast_for_gemm, cast_key
+from fp8train.cast import cast_for_gemm, cast_key, with_layout
 from fp8train.config import Float8LinearConfig, Gemm, Role
 from fp8train.policy import forward_operands, kept_for_backward
 from fp8train.tensor import Float8Tensor
@@ -203,12 +203,21 @@ class _Float8Matmul(torch.autograd.Function):
                 config,
                 ctx.input_dtype,
             )
+            # Free what the grad_weight gemm does not need before it allocates its output:
+            # backward's peak memory is what float8 must keep below bf16's.
+            del weight_for_grad_input
 
         if ctx.needs_input_grad[1]:
             same_cast = cast_key(config, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT) == cast_key(
                 config, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT
             )
-            if same_cast and grad_output_for_grad_input is not None:
+            if same_cast and isinstance(grad_output_for_grad_input, Float8Tensor):
+                # The same bytes, transposed into the layout the grad_weight gemm needs.
+                grad_output_for_grad_weight = with_layout(
+                    grad_output_for_grad_input, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT
+                )
+                grad_output_for_grad_input = None
+            elif same_cast and grad_output_for_grad_input is not None:
                 grad_output_for_grad_weight = grad_output_for_grad_input
             else:
                 grad_output_for_grad_weight = cast_for_gemm(

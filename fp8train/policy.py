@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fp8train.cast import cast_for_gemm, cast_key
+from fp8train.cast import cast_for_gemm, cast_key, with_layout
 from fp8train.config import Float8LinearConfig, Gemm, Role
 from fp8train.tensor import Float8Tensor
 
@@ -82,7 +82,11 @@ def kept_for_backward(
     """What backward keeps of `role`, from `forward_operands`' results."""
     if not keeps_float8(config, role):
         return hp
-    return for_output if _shared(config, role) else for_backward
+    if _shared(config, role):
+        # Kept in the layout of the backward gemm: the transposed copy is made now, while
+        # memory is lower than at backward's peak, and the forward layout is freed.
+        return with_layout(for_output, role, BACKWARD_GEMM[role])
+    return for_backward
 
 
 def _shared(config: Float8LinearConfig, role: Role) -> bool:

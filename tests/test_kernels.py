@@ -31,12 +31,12 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8)
 
 
-def _check(hp: torch.Tensor, float8_dtype: torch.dtype, granularity: str, reduce_dim) -> None:  # noqa: ANN001
+def _check(hp, float8_dtype, granularity, reduce_dim, column_major=False) -> None:  # noqa: ANN001
     scale = amax_to_scale(amax(hp, ScalingGranularity(granularity), reduce_dim), float8_dtype)
-    kernel = quantize_2d(hp, scale, float8_dtype)
+    kernel = quantize_2d(hp, scale, float8_dtype, column_major)
     reference = _saturated_cast(hp, scale, float8_dtype)
-    assert kernel.is_contiguous()
-    assert torch.equal(_bytes(kernel), _bytes(reference.contiguous()))
+    assert (kernel.t() if column_major else kernel).is_contiguous()
+    assert torch.equal(_bytes(kernel), _bytes(reference))
 
 
 @needs_triton_gpu
@@ -44,11 +44,12 @@ def _check(hp: torch.Tensor, float8_dtype: torch.dtype, granularity: str, reduce
 @pytest.mark.parametrize("float8_dtype", FLOAT8, ids=str)
 @pytest.mark.parametrize("hp_dtype", HP, ids=str)
 @pytest.mark.parametrize(("granularity", "reduce_dim"), SCALINGS)
+@pytest.mark.parametrize("column_major", [False, True], ids=["row-major", "column-major"])
 def test_quantize_kernel_matches_the_torch_path(
-    shape, float8_dtype, hp_dtype, granularity, reduce_dim
+    shape, float8_dtype, hp_dtype, granularity, reduce_dim, column_major
 ):
     hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
-    _check(hp, float8_dtype, granularity, reduce_dim)
+    _check(hp, float8_dtype, granularity, reduce_dim, column_major)
 
 
 @needs_triton_gpu
@@ -81,9 +82,11 @@ def test_quantize_kernel_reads_strided_input():
         pytest.param("cuda", marks=needs_triton_gpu),
     ],
 )
-def test_saturated_cast_op_passes_opcheck(device):
+@pytest.mark.parametrize("column_major", [False, True], ids=["row-major", "column-major"])
+def test_saturated_cast_op_passes_opcheck(device, column_major):
     hp = torch.randn(33, 65, device=device)
     scale = torch.tensor(4.0, device=device)
-    torch.library.opcheck(
-        torch.ops.fp8train.saturated_cast.default, (hp, scale, torch.float8_e4m3fn)
-    )
+    args = (hp, scale, torch.float8_e4m3fn, column_major)
+    torch.library.opcheck(torch.ops.fp8train.saturated_cast.default, args)
+    out = torch.ops.fp8train.saturated_cast(*args)
+    assert (out.t() if column_major else out).is_contiguous()
