@@ -4,6 +4,10 @@ mode and compiled, with torchao.float8 as a column when it is importable.
     python -m benchmarks.bench_memory [--cases linear-4096 linear-16384 llama] [--csv out.csv]
     python -m fp8train bench-memory ...     (the same, run from a checkout of the repository)
 
+Configs: "fp8 default" recomputes the weight cast and, compiled, lets the partitioner choose
+between the float8 and the hp input; "keep-fp8-input" forces the float8 input (what eager mode
+keeps by default); "keep-weight" keeps the float8 weight; "keep-hp-input" the hp input.
+
 Cases:
     linear-4096    10 x Linear(4096, 4096, bias=False), batch 4096: float8_experimental's case
     linear-16384   the same at batch 16384, where activations dominate
@@ -39,7 +43,8 @@ except ImportError as error:
 GIB = 2**30
 
 FP8_CONFIGS: dict[str, Float8LinearConfig] = {
-    "fp8 recompute-weight": Float8LinearConfig(),
+    "fp8 default": Float8LinearConfig(),
+    "fp8 keep-fp8-input": Float8LinearConfig(recompute_input_cast=False),
     "fp8 keep-weight": Float8LinearConfig(recompute_weight_cast=False),
     "fp8 keep-hp-input": Float8LinearConfig(recompute_input_cast=True),
 }

@@ -178,9 +178,12 @@ class Float8LinearConfig:
     """Backward recasts the weight from the high-precision parameter (free to keep) instead of
     keeping the float8 weight from forward: under FSDP that copy would be unsharded."""
 
-    recompute_input_cast: bool = False
-    """False keeps the input for backward in float8 (1 byte per element, half of bf16), cast as
-    the grad_weight gemm needs it. True keeps the high-precision input and recasts it."""
+    recompute_input_cast: bool | None = None
+    """What backward keeps of the input. False: the input in float8 (1 byte per element, half of
+    bf16), cast as the grad_weight gemm needs it. True: the high-precision input, recast in
+    backward. None (default): float8 in eager mode; under torch.compile the partitioner
+    chooses, and it keeps float8 unless the high-precision input is kept anyway (by the op that
+    produced it, say), where a float8 copy would only add memory."""
 
     _casts: dict = dataclasses.field(init=False, repr=False, compare=False)
     _gemms: dict = dataclasses.field(init=False, repr=False, compare=False)

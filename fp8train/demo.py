@@ -98,9 +98,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--recompute-input-cast",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="keep the high-precision input for backward and recast it, instead of keeping it "
-        "in float8 (default: %(default)s)",
+        default=None,
+        help="force keeping the high-precision input for backward and recasting it (on), or "
+        "keeping it in float8 (off); unset, eager keeps float8 and torch.compile chooses",
     )
     add("--eval-batches", type=int, default=8, help="validation batches (default: %(default)s)")
     add("--quiet", action="store_true", help="no progress bars")

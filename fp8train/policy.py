@@ -6,6 +6,8 @@ under torch.compile.
             recompute_weight_cast=False  the float8 weight, cast as the grad_input gemm needs it
     input   recompute_input_cast=False   the float8 input, cast as the grad_weight gemm needs it
             recompute_input_cast=True    the hp input, recast in backward
+            recompute_input_cast=None    (default) eager: the float8 input; compiled: the
+                                         partitioner's choice, see below
 A gemm configured to run in high precision (scaling_type 'disabled') keeps its hp operand.
 
 Eager mode: the matmul's autograd.Function saves exactly these tensors.
@@ -16,9 +18,14 @@ chooses what to keep by size, so that left alone it keeps the float8 input and r
 weight whatever the config says. Each forward cast therefore runs in its own selective
 activation-checkpoint region whose policy tags every op of the cast MUST_SAVE (the float8 result
 is kept) or MUST_RECOMPUTE (backward recasts from the hp tensor) - the tags the partitioner
-honours. Inside a user's activation-checkpoint region the casts are tagged PREFER_RECOMPUTE
-instead: the user asked for that region to be recomputed, and forcing float8 copies of every
-linear input to be kept there would cost more memory than the checkpoint saves.
+honours. With recompute_input_cast=None the input's cast is left untagged: the partitioner then
+keeps the float8 input unless the hp input is kept for backward anyway (the input of the
+attention output projection, which SDPA's backward needs, say), where a float8 copy would only
+add memory (benchmarks/bench_memory.py measures the difference).
+
+Inside a user's activation-checkpoint region the casts are tagged PREFER_RECOMPUTE instead: the
+user asked for that region to be recomputed, and forcing float8 copies of every linear input to
+be kept there would cost more memory than the checkpoint saves.
 """
 
 from __future__ import annotations
@@ -43,7 +50,17 @@ BACKWARD_GEMM = {Role.INPUT: Gemm.GRAD_WEIGHT, Role.WEIGHT: Gemm.GRAD_INPUT}
 
 
 def _recompute_requested(config: Float8LinearConfig, role: Role) -> bool:
-    return config.recompute_input_cast if role is Role.INPUT else config.recompute_weight_cast
+    if role is Role.INPUT:
+        return bool(config.recompute_input_cast)
+    return config.recompute_weight_cast
+
+
+def _tag(config: Float8LinearConfig, role: Role, keep: bool) -> bool | None:
+    """The tag of a forward cast under torch.compile: True keep, False recompute, None leave
+    the choice to the partitioner."""
+    if role is Role.INPUT and config.recompute_input_cast is None:
+        return None
+    return keep
 
 
 def keeps_float8(config: Float8LinearConfig, role: Role) -> bool:
@@ -64,12 +81,16 @@ def forward_operands(
     backward_gemm = BACKWARD_GEMM[role]
     keep = keeps_float8(config, role)
     shared = _shared(config, role)
-    # The output gemm's cast is kept when backward shares it; when backward recasts the same
-    # cast from hp, it must be recomputed, not kept; otherwise backward never needs it.
-    for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, keep=keep and shared)
+    # The output gemm's cast is kept when backward shares it, and recomputed when backward
+    # recasts the same cast from hp; a cast that backward never needs is left untagged (a
+    # recompute tag would make the partitioner keep the hp tensor for it).
+    tag = _tag(config, role, keep) if shared else None
+    for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, tag)
     if not keep or shared:
         return for_output, None
-    return for_output, _tagged_cast(hp, role, backward_gemm, config, keep=True)
+    # A cast that only backward uses: a checkpoint region around it would let the partitioner
+    # schedule it into backward, whatever its tag, so it is left untagged (and kept: measured).
+    return for_output, _tagged_cast(hp, role, backward_gemm, config, None)
 
 
 def kept_for_backward(
@@ -94,12 +115,12 @@ def _shared(config: Float8LinearConfig, role: Role) -> bool:
 
 
 def _tagged_cast(
-    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig, *, keep: bool
+    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig, keep: bool | None
 ) -> Float8Tensor | None:
     cast = config.cast_config(role, gemm)
     if not cast.enabled:
         return None
-    if not torch.compiler.is_compiling():
+    if keep is None or not torch.compiler.is_compiling():
         with torch.no_grad():
             return cast_for_gemm(hp, role, gemm, config)
     # The region returns plain tensors: a subclass output of a checkpoint region is not traced.
