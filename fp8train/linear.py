@@ -67,10 +67,36 @@ class Float8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {describe_config(self.config)}"
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        # .to(device) / .cuda() land here: refuse a GPU without float8 gemms when moved to it.
+        module = super()._apply(fn, recurse)
+        check_device(self.weight.device, self.config, self.fqn)
+        return module
+
+
+def check_device(device: torch.device, config: Float8LinearConfig, fqn: str = "") -> None:
+    """Raise a ValueError naming the layer if `device` cannot run float8 gemms."""
+    if device.type != "cuda" or config.emulate:
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CUDA_CAPABILITY:
+        name = f"'{fqn}'" if fqn else "Float8Linear"
+        gpu = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"{name}: {gpu} (compute capability {capability[0]}.{capability[1]}) has no float8 "
+            "gemms, which need compute capability 8.9 or newer (Ada, Hopper, Blackwell): set "
+            "emulate=True in Float8LinearConfig to run float8 numerics in fp32 matmuls, or "
+            "train without float8 on this GPU"
+        )
+
+
+MIN_CUDA_CAPABILITY = (8, 9)
+
 
 def check_float8_compatible(module: nn.Linear, config: Float8LinearConfig, fqn: str) -> None:
     """Raise a ValueError naming the layer if its float8 gemms cannot run."""
     name = f"'{fqn}'" if fqn else type(module).__name__
+    check_device(module.weight.device, config, fqn)
     dtype = module.weight.dtype
     if dtype not in HP_DTYPES:
         raise ValueError(

@@ -29,9 +29,16 @@ def amax(hp: torch.Tensor, granularity: ScalingGranularity, reduce_dim: int | No
 def amax_to_scale(
     amax: torch.Tensor, float8_dtype: torch.dtype, *, round_to_power_of_2: bool = False
 ) -> torch.Tensor:
-    """The fp32 scale that maps `amax` onto the largest finite value of `float8_dtype`."""
-    scale = torch.finfo(float8_dtype).max / amax.to(torch.float32).clamp(min=EPS)
+    """The fp32 scale that maps `amax` onto the largest finite value of `float8_dtype`.
+
+    Finite amax (zero included, through the EPS floor) gives a finite, positive scale. An inf
+    or NaN amax gives a NaN scale, so every value of that cast becomes NaN and the non-finite
+    input reaches the loss and the gradient norm, as in bf16. A 0 scale, which inf would give,
+    would silently zero the finite values instead.
+    """
+    amax = amax.to(torch.float32)
+    scale = torch.finfo(float8_dtype).max / amax.clamp(min=EPS)
     if round_to_power_of_2:
         # Round down, so that amax * scale still fits; a power of 2 multiplies exactly.
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return scale
+    return torch.where(torch.isfinite(amax), scale, torch.nan)
