@@ -8,6 +8,7 @@ private and may change.
 """
 
 from fp8train import ops as _ops  # noqa: F401  registers Float8Tensor's op table
+from fp8train import stats
 from fp8train.cast import to_float8
 from fp8train.config import (
     CastConfig,
@@ -45,4 +46,5 @@ __all__ = [
     "to_float8",
     # numerics
     "compute_error",
+    "stats",
 ]

@@ -21,7 +21,13 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm import tqdm
 
-from fp8train import Float8Linear, Float8LinearConfig, __version__, convert_to_float8_training
+from fp8train import (
+    Float8Linear,
+    Float8LinearConfig,
+    __version__,
+    convert_to_float8_training,
+    stats,
+)
 from fp8train.data import batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
@@ -101,6 +107,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="force keeping the high-precision input for backward and recasting it (on), or "
         "keeping it in float8 (off); unset, eager keeps float8 and torch.compile chooses",
+    )
+    add(
+        "--stats",
+        action="store_true",
+        help="after training, print the numerics of every float8 cast (amax, scale, saturated "
+        "and flushed shares, SQNR) for one step of the float8 model",
     )
     add("--eval-batches", type=int, default=8, help="validation batches (default: %(default)s)")
     add("--quiet", action="store_true", help="no progress bars")
@@ -288,6 +300,8 @@ def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
         if convert:
             model = to_float8(model, args)
         rows.append({**train_run(name, model, train_tokens, val_batches, args), "dtype": label})
+        if convert and args.stats:
+            cast_table = record_stats(model, val_batches[0])
         del model
 
     baseline = rows[0]["val_loss"]
@@ -300,4 +314,15 @@ def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
         f"{dtype_name}; gap = relative val loss difference; step time = mean after "
         f"{WARMUP_STEPS} warm-up steps."
     )
+    if args.stats:
+        print(f"\nfloat8 casts of one step (validation batch):\n{cast_table}")
     return rows
+
+
+def record_stats(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> str:
+    """One forward + backward of `model` (eager) under fp8train.stats, as a table."""
+    device = next(model.parameters()).device
+    with stats.record(model) as recorder:
+        lm_loss(model, *(t.to(device) for t in batch)).backward()
+    model.zero_grad(set_to_none=True)
+    return recorder.table()

@@ -31,6 +31,8 @@ class Float8Linear(nn.Linear):
         self.config = config or Float8LinearConfig()
         self.fqn = fqn
         """The layer's name in its model, for error messages."""
+        self._observer = None
+        # Set by fp8train.stats.record: called with every cast this layer makes.
         check_float8_compatible(self, self.config, fqn)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -46,7 +48,8 @@ class Float8Linear(nn.Linear):
             raise ValueError(
                 misaligned_message(Gemm.GRAD_WEIGHT, tokens, self.in_features, self.fqn)
             )
-        output = linear_mm(input, self.weight, self.config)
+        observer = None if torch.compiler.is_compiling() else self._observer
+        output = linear_mm(input, self.weight, self.config, observer)
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output

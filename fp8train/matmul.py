@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from fp8train.cast import cast_for_gemm, cast_key, with_layout
 from fp8train.config import Float8LinearConfig, Gemm, Role
-from fp8train.policy import forward_operands, kept_for_backward
+from fp8train.policy import Observer, forward_operands, kept_for_backward, observe_cast
 from fp8train.tensor import Float8Tensor
 
 ALIGNMENT = 16
@@ -164,6 +164,7 @@ class _Float8Matmul(torch.autograd.Function):
         input_for_backward: Float8Tensor | None,
         weight_for_backward: Float8Tensor | None,
         config: Float8LinearConfig,
+        observer: Observer | None = None,
     ) -> torch.Tensor:
         a = input_hp if input_for_output is None else input_for_output
         b = weight_hp if weight_for_output is None else weight_for_output
@@ -179,6 +180,7 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.num_input_tensors = len(input_tensors)
         ctx.save_for_backward(*input_tensors, *weight_tensors)
         ctx.config = config
+        ctx.observer = observer
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
@@ -195,7 +197,16 @@ class _Float8Matmul(torch.autograd.Function):
             grad_output_for_grad_input = cast_for_gemm(
                 grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT, config
             )
-            weight_for_grad_input = _recast(weight_saved, Role.WEIGHT, Gemm.GRAD_INPUT, config)
+            observe_cast(
+                ctx.observer,
+                Role.GRAD_OUTPUT,
+                Gemm.GRAD_INPUT,
+                grad_output,
+                grad_output_for_grad_input,
+            )
+            weight_for_grad_input = _recast(
+                weight_saved, Role.WEIGHT, Gemm.GRAD_INPUT, config, ctx.observer
+            )
             grad_input = _gemm(
                 Gemm.GRAD_INPUT,
                 grad_output_for_grad_input,
@@ -223,7 +234,16 @@ class _Float8Matmul(torch.autograd.Function):
                 grad_output_for_grad_weight = cast_for_gemm(
                     grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, config
                 )
-            input_for_grad_weight = _recast(input_saved, Role.INPUT, Gemm.GRAD_WEIGHT, config)
+                observe_cast(
+                    ctx.observer,
+                    Role.GRAD_OUTPUT,
+                    Gemm.GRAD_WEIGHT,
+                    grad_output,
+                    grad_output_for_grad_weight,
+                )
+            input_for_grad_weight = _recast(
+                input_saved, Role.INPUT, Gemm.GRAD_WEIGHT, config, ctx.observer
+            )
             grad_weight = _gemm(
                 Gemm.GRAD_WEIGHT,
                 grad_output_for_grad_weight.t(),
@@ -231,16 +251,20 @@ class _Float8Matmul(torch.autograd.Function):
                 config,
                 ctx.weight_dtype,
             )
-        return grad_input, grad_weight, None, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None, None
 
 
 def linear_mm(
-    input: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    config: Float8LinearConfig,
+    observer: Observer | None = None,
 ) -> torch.Tensor:
-    """`input @ weight.T` through the float8 gemms, any leading dims; no checks."""
+    """`input @ weight.T` through the float8 gemms, any leading dims; no checks. `observer`
+    (fp8train.stats) sees every cast that forward and backward make."""
     input_2d = input.reshape(-1, input.shape[-1])
-    input_for_output, input_for_backward = forward_operands(input_2d, Role.INPUT, config)
-    weight_for_output, weight_for_backward = forward_operands(weight, Role.WEIGHT, config)
+    input_for_output, input_for_backward = forward_operands(input_2d, Role.INPUT, config, observer)
+    weight_for_output, weight_for_backward = forward_operands(weight, Role.WEIGHT, config, observer)
     output = _Float8Matmul.apply(
         input_2d,
         weight,
@@ -249,17 +273,26 @@ def linear_mm(
         input_for_backward,
         weight_for_backward,
         config,
+        observer,
     )
     return output.reshape(*input.shape[:-1], output.shape[-1])
 
 
 def _recast(
-    saved: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig
+    saved: torch.Tensor,
+    role: Role,
+    gemm: Gemm,
+    config: Float8LinearConfig,
+    observer: Observer | None = None,
 ) -> torch.Tensor:
-    """A saved operand as `gemm` needs it: kept float8 as is, kept hp cast now."""
+    """A saved operand as `gemm` needs it: kept float8 as is, kept hp cast now. The observer
+    sees the cast when it differs from forward's (a recast of the same bytes tells nothing)."""
     if isinstance(saved, Float8Tensor):
         return saved
-    return cast_for_gemm(saved, role, gemm, config)
+    fp8 = cast_for_gemm(saved, role, gemm, config)
+    if cast_key(config, role, gemm) != cast_key(config, role, Gemm.OUTPUT):
+        observe_cast(observer, role, gemm, saved, fp8)
+    return fp8
 
 
 def float8_matmul(

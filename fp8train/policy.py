@@ -31,6 +31,7 @@ be kept there would cost more memory than the checkpoint saves.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -44,6 +45,17 @@ from torch.utils.checkpoint import (
 from fp8train.cast import cast_for_gemm, cast_key, with_layout
 from fp8train.config import Float8LinearConfig, Gemm, Role
 from fp8train.tensor import Float8Tensor
+
+Observer = Callable[[Role, Gemm, torch.Tensor, Float8Tensor], None]
+"""Called with (role, gemm, hp, float8) for each cast, by fp8train.stats."""
+
+
+def observe_cast(
+    observer: Observer | None, role: Role, gemm: Gemm, hp: torch.Tensor, fp8: torch.Tensor | None
+) -> None:
+    if observer is not None and isinstance(fp8, Float8Tensor):
+        observer(role, gemm, hp, fp8)
+
 
 # The gemm of backward that each role's kept tensor feeds.
 BACKWARD_GEMM = {Role.INPUT: Gemm.GRAD_WEIGHT, Role.WEIGHT: Gemm.GRAD_INPUT}
@@ -71,7 +83,7 @@ def keeps_float8(config: Float8LinearConfig, role: Role) -> bool:
 
 
 def forward_operands(
-    hp: torch.Tensor, role: Role, config: Float8LinearConfig
+    hp: torch.Tensor, role: Role, config: Float8LinearConfig, observer: Observer | None = None
 ) -> tuple[Float8Tensor | None, Float8Tensor | None]:
     """The casts forward makes of `hp` (input (M, K) or weight (N, K)): for the output gemm
     (None: that gemm runs in high precision on `hp`), and a second cast that backward keeps
@@ -86,11 +98,14 @@ def forward_operands(
     # recompute tag would make the partitioner keep the hp tensor for it).
     tag = _tag(config, role, keep) if shared else None
     for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, tag)
+    observe_cast(observer, role, Gemm.OUTPUT, hp, for_output)
     if not keep or shared:
         return for_output, None
     # A cast that only backward uses: a checkpoint region around it would let the partitioner
     # schedule it into backward, whatever its tag, so it is left untagged (and kept: measured).
-    return for_output, _tagged_cast(hp, role, backward_gemm, config, None)
+    for_backward = _tagged_cast(hp, role, backward_gemm, config, None)
+    observe_cast(observer, role, backward_gemm, hp, for_backward)
+    return for_output, for_backward
 
 
 def kept_for_backward(

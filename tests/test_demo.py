@@ -41,6 +41,15 @@ def test_main_demo_prints_table_of_both_runs(capsys: pytest.CaptureFixture[str])
     assert [line.split(" | ")[0] for line in table[1:]] == ["| high precision", "| float8"]
 
 
+def test_demo_stats_prints_the_casts_of_every_float8_layer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", *TINY, "--stats"]) == 0
+    out = capsys.readouterr().out
+    assert "float8 casts of one step" in out
+    assert "| layers.0.feed_forward.w2 | grad_output | grad_input | e5m2 |" in out
+
+
 def test_run_demo_rows() -> None:
     rows = run_demo(demo_args(TINY))
     assert [row["run"] for row in rows] == ["high precision", "float8"]
