@@ -8,6 +8,7 @@ from fp8train import Float8Linear, Float8LinearConfig, to_float8
 from fp8train.config import E4M3, E5M2
 from fp8train.linear import check_device
 from fp8train.scaling import amax_to_scale
+from tests.conftest import DEVICES
 
 M, K, N = 32, 64, 48
 
@@ -53,10 +54,11 @@ def test_inf_in_a_row_poisons_that_cast_visibly():
     assert torch.isnan(rowwise[1]).all() and torch.isfinite(rowwise[[0, 2, 3]]).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_input_reaches_the_loss_and_the_gradients(bad):
-    layer = Float8Linear(K, N)
-    x = torch.randn(M, K)
+def test_non_finite_input_reaches_the_loss_and_the_gradients(bad, device):
+    layer = Float8Linear(K, N, device=device)
+    x = torch.randn(M, K, device=device)
     x[3, 5] = bad
     loss = layer(x).square().mean()
     loss.backward()
@@ -64,19 +66,27 @@ def test_non_finite_input_reaches_the_loss_and_the_gradients(bad):
     assert not torch.isfinite(layer.weight.grad).all()
 
 
-def test_non_finite_gradient_reaches_the_weight_gradient():
-    layer = Float8Linear(K, N)
-    x = torch.randn(M, K, requires_grad=True)
-    grad = torch.randn(M, N)
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_gradient_reaches_the_weight_gradient(device):
+    layer = Float8Linear(K, N, device=device)
+    x = torch.randn(M, K, device=device, requires_grad=True)
+    grad = torch.randn(M, N, device=device)
     grad[0, 0] = float("nan")
     layer(x).backward(grad)
     assert not torch.isfinite(layer.weight.grad).all()
     assert not torch.isfinite(x.grad).all()
 
 
-def test_huge_finite_values_saturate_to_finite_outputs():
-    layer = Float8Linear(K, N, bias=False)
-    x = torch.randn(M, K) * 1e30
+@pytest.mark.parametrize("device", DEVICES)
+def test_huge_finite_values_saturate_to_finite_outputs(device):
+    layer = Float8Linear(K, N, bias=False, device=device)
+    x = torch.randn(M, K, device=device) * 1e30
     out = layer(x)
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(layer.weight.grad).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moving_a_layer_to_a_float8_gpu_passes_the_device_check(device):
+    layer = Float8Linear(K, N).to(device)
+    assert layer.weight.device.type == device
