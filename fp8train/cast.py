@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from fp8train.config import CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
+from fp8train.config import BLOCK, CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
 from fp8train.kernels import HAS_TRITON, empty_2d, quantize_2d
-from fp8train.scaling import amax, amax_to_scale
+from fp8train.scaling import amax, amax_to_scale, blocks
 from fp8train.tensor import Float8Tensor
 
 # The dim each operand is reduced along for rowwise scales: its inner dim in that gemm.
@@ -42,13 +42,15 @@ def to_float8(
     granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
     *,
     reduce_dim: int | None = None,
+    block: tuple[int, int] | None = None,
     round_scales_to_power_of_2: bool = False,
     column_major: bool = False,
 ) -> Float8Tensor:
     """Cast `hp` to float8 with a dynamic scale from its amax (reduced along `reduce_dim`
-    for rowwise); `column_major` lays a 2-D result out column-major."""
+    for rowwise, per `block` for blockwise); `column_major` lays a 2-D result out
+    column-major."""
     scale = amax_to_scale(
-        amax(hp, granularity, reduce_dim),
+        amax(hp, granularity, reduce_dim, block),
         float8_dtype,
         round_to_power_of_2=round_scales_to_power_of_2,
     )
@@ -64,6 +66,10 @@ def quantize(
     column_major: bool = False,
 ) -> Float8Tensor:
     """`saturate(hp * scale)` in float8, with a given scale."""
+    if granularity is ScalingGranularity.BLOCKWISE:
+        data = _blockwise_saturated_cast(hp, scale, float8_dtype)
+        data = _column_major(data) if column_major else data
+        return Float8Tensor(data, scale, hp.dtype, granularity)
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON and not torch.compiler.is_compiling():
         # Eager CUDA: one pass, no fp32 temporaries. Compiled: the torch path, which inductor
         # fuses with the amax and with whatever produced hp.
@@ -80,6 +86,14 @@ def _saturated_cast(
     # Saturate before the cast: float8_e4m3fn has no inf, an overflow would become NaN.
     data = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(float8_dtype)
     return _column_major(data) if column_major else data
+
+
+def _blockwise_saturated_cast(
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
+) -> torch.Tensor:
+    (sr, sc), (r, c) = scale.shape, hp.shape
+    blocked = blocks(hp, (r // sr, c // sc)).to(torch.float32) * scale[:, None, :, None]
+    return _saturated_cast(blocked, torch.ones((), device=hp.device), float8_dtype).reshape(r, c)
 
 
 def _column_major(data: torch.Tensor) -> torch.Tensor:
@@ -122,8 +136,19 @@ def cast_key(config: Float8LinearConfig, role: Role, gemm: Gemm) -> tuple | None
     cast = config.cast_config(role, gemm)
     if not cast.enabled:
         return None
-    rowwise = cast.scaling_granularity is ScalingGranularity.ROWWISE
-    return (cast, _INNER_DIM[(role, gemm)] if rowwise else None)
+    if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
+        return (cast, None)
+    if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+        return (cast, block_shape(role, gemm))
+    return (cast, _INNER_DIM[(role, gemm)])
+
+
+def block_shape(role: Role, gemm: Gemm) -> tuple[int, int]:
+    """Blockwise: the weight in BLOCK x BLOCK blocks (the same cast serves both its gemms);
+    activations and gradients in 1 x BLOCK blocks along the gemm's inner dim."""
+    if role is Role.WEIGHT:
+        return (BLOCK, BLOCK)
+    return (1, BLOCK) if _INNER_DIM[(role, gemm)] == -1 else (BLOCK, 1)
 
 
 def cast_for_gemm(
@@ -135,11 +160,13 @@ def cast_for_gemm(
     if not cast.enabled:
         return hp
     rowwise = cast.scaling_granularity is ScalingGranularity.ROWWISE
+    blockwise = cast.scaling_granularity is ScalingGranularity.BLOCKWISE
     return to_float8(
         hp,
         cast.target_dtype,
         cast.scaling_granularity,
         reduce_dim=_INNER_DIM[(role, gemm)] if rowwise else None,
+        block=block_shape(role, gemm) if blockwise else None,
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         column_major=hp.dim() == 2 and _COLUMN_MAJOR[(role, gemm)],
     )

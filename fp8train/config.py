@@ -46,6 +46,14 @@ class ScalingGranularity(str, enum.Enum):
     AXISWISE = "rowwise"
     """torchao.float8's name for ROWWISE (an alias: the same member)."""
 
+    BLOCKWISE = "blockwise"
+    """One scale per block (DeepSeek-V3's recipe): activations and gradients 1 x 128 along the
+    gemm's inner dim, the weight 128 x 128. Dims must be multiples of 128."""
+
+
+BLOCK = 128
+"""The block edge of blockwise scaling."""
+
 
 class Role(str, enum.Enum):
     """Which tensor of the linear layer is being cast."""
@@ -130,6 +138,28 @@ class Float8GemmConfig:
 
     use_fast_accum: bool = False
     """Hopper's fast float8 accumulation: faster, less exact. Usual for the forward only."""
+
+
+class Float8LinearRecipeName(str, enum.Enum):
+    """Named configurations; `Float8LinearConfig.from_recipe_name` builds them."""
+
+    TENSORWISE = "tensorwise"
+    """One scale per tensor, e4m3 forward and e5m2 gradients: the fastest casts, and the
+    default. Outliers in a tensor cost every other value its precision."""
+
+    ROWWISE = "rowwise"
+    """One scale per row along each gemm's inner dim, e4m3 everywhere (the scales take the
+    range), scales rounded to powers of 2. More accurate with outliers, a few % slower: each
+    operand needs its own cast for each of its gemms."""
+
+    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
+    """ROWWISE for the output and grad_input gemms; the grad_weight gemm in high precision,
+    for weight gradients as exact as bf16's at the cost of that gemm's float8 speed-up."""
+
+    BLOCKWISE = "blockwise"
+    """DeepSeek-V3-style 1 x 128 blocks for activations and gradients and 128 x 128 for the
+    weight, e4m3 everywhere, power-of-2 scales: the most robust to outliers. Dims must be
+    multiples of 128; the gemms are emulated in fp32 for now (see the README)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +268,35 @@ class Float8LinearConfig:
                     f"({role_a.value}, {role_b.value}), which no float8 gemm supports: cast one "
                     "of them to torch.float8_e4m3fn"
                 )
+
+    @classmethod
+    def from_recipe_name(
+        cls, name: Float8LinearRecipeName | str, **overrides
+    ) -> Float8LinearConfig:  # noqa: ANN003
+        """The config of a named recipe; keyword `overrides` replace fields of it (for example
+        recompute_weight_cast=False)."""
+        recipe = _parse(Float8LinearRecipeName, name)
+        if recipe is Float8LinearRecipeName.TENSORWISE:
+            return cls(**overrides)
+        granularity = (
+            ScalingGranularity.BLOCKWISE
+            if recipe is Float8LinearRecipeName.BLOCKWISE
+            else ScalingGranularity.ROWWISE
+        )
+        cast = CastConfig(scaling_granularity=granularity)
+        fields = {
+            "cast_config_input": cast,
+            "cast_config_weight": cast,
+            "cast_config_grad_output": CastConfig(
+                scaling_granularity=granularity, target_dtype=E4M3
+            ),
+            "round_scales_to_power_of_2": True,
+        }
+        if recipe is Float8LinearRecipeName.ROWWISE_WITH_GW_HP:
+            disabled = CastConfig(scaling_type=ScalingType.DISABLED)
+            fields["cast_config_input_for_grad_weight"] = disabled
+            fields["cast_config_grad_output_for_grad_weight"] = disabled
+        return cls(**{**fields, **overrides})
 
     def cast_config(self, role: Role, gemm: Gemm) -> CastConfig:
         """The cast of `role` as an operand of `gemm`, overrides applied, dtype resolved.

@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8train.config import HP_DTYPES, Float8LinearConfig, Gemm, ScalingGranularity
-from fp8train.matmul import ALIGNMENT, linear_mm, misaligned_message, tokens_misaligned
+from fp8train.config import BLOCK, HP_DTYPES, Float8LinearConfig, Gemm, ScalingGranularity
+from fp8train.matmul import (
+    ALIGNMENT,
+    blockwise_tokens_misaligned,
+    linear_mm,
+    misaligned_message,
+    tokens_misaligned,
+    uses_blockwise,
+)
 
 
 class Float8Linear(nn.Linear):
@@ -43,6 +50,14 @@ class Float8Linear(nn.Linear):
             input = input.to(torch.get_autocast_dtype(device_type))
         # self.fqn is read only to raise: torch.compile would otherwise guard on the string
         # and recompile forward once per layer.
+        if blockwise_tokens_misaligned(input, self.weight, self.config):
+            tokens = input.numel() // self.in_features
+            name = f"Float8Linear '{self.fqn}'" if self.fqn else "Float8Linear"
+            raise ValueError(
+                f"{name}: the number of tokens (input.numel() // in_features)={tokens} is not a "
+                f"multiple of {BLOCK}, which blockwise scaling of the grad_weight gemm needs: "
+                f"make batch * sequence length a multiple of {BLOCK}, or use the rowwise recipe"
+            )
         if tokens_misaligned(input, self.weight, self.config):
             tokens = input.numel() // self.in_features
             raise ValueError(
@@ -107,6 +122,21 @@ def check_float8_compatible(module: nn.Linear, config: Float8LinearConfig, fqn: 
             "training casts from: convert the model to one of them first, or leave this layer "
             "out with module_filter_fn"
         )
+    if uses_blockwise(config):
+        bad = [
+            f"{dim}={size}"
+            for dim, size in (
+                ("in_features", module.in_features),
+                ("out_features", module.out_features),
+            )
+            if size % BLOCK
+        ]
+        if bad:
+            raise ValueError(
+                f"{name}: {' and '.join(bad)} not a multiple of {BLOCK}, which blockwise scaling "
+                f"needs ({BLOCK} x {BLOCK} weight blocks): leave this layer out with "
+                "module_filter_fn, or use the rowwise recipe"
+            )
     if config.emulate or config.pad_inner_dim:
         return
     bad = [

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8train.cast import cast_for_gemm, cast_key, with_layout
-from fp8train.config import Float8LinearConfig, Gemm, Role
+from fp8train.config import BLOCK, Float8LinearConfig, Gemm, Role, ScalingGranularity
 from fp8train.policy import Observer, forward_operands, kept_for_backward, observe_cast
 from fp8train.tensor import Float8Tensor
 
@@ -52,7 +52,13 @@ def scaled_mm(
     torch._scaled_mm runs with `a` row-major and `b` column-major; K and N must be multiples
     of 16, or are padded with zeros when `pad_inner_dim` (zeros add nothing to the sums).
     """
-    if emulate or (a._data.device.type == "cpu" and not _CPU_ROWWISE and a._scale.numel() > 1):
+    # Blockwise gemms are emulated everywhere for now: the block-scaled gemm of newer torch
+    # on sm90 is not wired in yet.
+    if (
+        emulate
+        or a._granularity is ScalingGranularity.BLOCKWISE
+        or (a._data.device.type == "cpu" and not _CPU_ROWWISE and a._scale.numel() > 1)
+    ):
         return torch.mm(a.to_hp(torch.float32), b.to_hp(torch.float32)).to(out_dtype)
     a_data, b_data = a._data, b._data
     # _scaled_mm takes the fp8 -> hp scales; 0-d for tensorwise, (M, 1) and (1, N) rowwise.
@@ -100,6 +106,28 @@ def misaligned_message(gemm: Gemm, k: int, n: int, fqn: str = "") -> str:
     return (
         f"{layer}: {' and '.join(bad)} not a multiple of 16, which the float8 {gemm.value} "
         f"gemm needs: set pad_inner_dim=True in Float8LinearConfig, or {fix}"
+    )
+
+
+def uses_blockwise(config: Float8LinearConfig) -> bool:
+    return any(
+        cast.enabled and cast.scaling_granularity is ScalingGranularity.BLOCKWISE
+        for cast in config._casts.values()
+    )
+
+
+def blockwise_tokens_misaligned(
+    input: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig
+) -> bool:
+    """True if blockwise scaling of the grad_weight gemm (blocks of BLOCK tokens) cannot take
+    this input's number of tokens."""
+    cast = config.cast_config(Role.INPUT, Gemm.GRAD_WEIGHT)
+    tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
+    return bool(
+        tokens % BLOCK
+        and weight.requires_grad
+        and cast.enabled
+        and cast.scaling_granularity is ScalingGranularity.BLOCKWISE
     )
 
 

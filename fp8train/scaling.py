@@ -14,8 +14,16 @@ EPS = 1e-12
 """amax floor: an all-zero tensor gets a large finite scale instead of inf."""
 
 
-def amax(hp: torch.Tensor, granularity: ScalingGranularity, reduce_dim: int | None) -> torch.Tensor:
-    """max |hp| in fp32: 0-d for tensorwise; for rowwise, reduced along `reduce_dim`, keepdim."""
+def amax(
+    hp: torch.Tensor,
+    granularity: ScalingGranularity,
+    reduce_dim: int | None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """max |hp| in fp32: 0-d for tensorwise; for rowwise, reduced along `reduce_dim`, keepdim;
+    for blockwise, one per `block` (rows, cols) of a 2-D `hp`: (R / rows, C / cols)."""
+    if granularity is ScalingGranularity.BLOCKWISE:
+        return _block_amax(hp, block)
     # vector_norm(ord=inf) reads the tensor once and makes no |hp| temporary, unlike abs().max().
     if granularity is ScalingGranularity.TENSORWISE:
         return torch.linalg.vector_norm(hp, ord=float("inf"), dtype=torch.float32)
@@ -24,6 +32,25 @@ def amax(hp: torch.Tensor, granularity: ScalingGranularity, reduce_dim: int | No
     return torch.linalg.vector_norm(
         hp, ord=float("inf"), dim=reduce_dim, keepdim=True, dtype=torch.float32
     )
+
+
+def _block_amax(hp: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    if block is None:
+        raise ValueError("blockwise scaling needs the block shape")
+    return torch.linalg.vector_norm(
+        blocks(hp, block), ord=float("inf"), dim=(1, 3), dtype=torch.float32
+    )
+
+
+def blocks(tensor: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A 2-D (R, C) tensor viewed as (R / rows, rows, C / cols, cols) blocks."""
+    (r, c), (rows, cols) = tensor.shape, block
+    if r % rows or c % cols:
+        raise ValueError(
+            f"blockwise scaling with {rows} x {cols} blocks needs a shape divisible by them, "
+            f"got {r} x {c}"
+        )
+    return tensor.reshape(r // rows, rows, c // cols, cols)
 
 
 def amax_to_scale(

@@ -67,7 +67,7 @@ class StatsRecorder:
                 float8_dtype=str(fp8.fp8_dtype).removeprefix("torch.float8_"),
                 amax=hp32.abs().max().item() if hp.numel() else 0.0,
                 scale=fp8._scale.min().item(),
-                saturated=((hp32 * fp8._scale).abs() > fp8_max).sum().item() / numel,
+                saturated=((hp32 * fp8.broadcast_scale()).abs() > fp8_max).sum().item() / numel,
                 flushed=((hp32 != 0) & (fp8._data.float() == 0)).sum().item() / numel,
                 sqnr_db=compute_error(hp32, fp8.to_hp(torch.float32)).item(),
             )

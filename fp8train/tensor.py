@@ -2,10 +2,11 @@
 
 A Float8Tensor holds
     _data         the float8 bytes (torch.float8_e4m3fn or torch.float8_e5m2), any layout
-    _scale        fp32, such that hp ~= _data / _scale; 0-d (tensorwise) or keepdim-shaped and
-                  broadcastable against _data (rowwise: one scale per row or column)
+    _scale        fp32, such that hp ~= _data / _scale; 0-d (tensorwise), keepdim-shaped and
+                  broadcastable against _data (rowwise: one scale per row or column), or one
+                  per block, (R / rows, C / cols) for (R, C) data (blockwise)
     _orig_dtype   the high-precision dtype it was cast from, which is also its reported dtype
-    _granularity  tensorwise or rowwise
+    _granularity  tensorwise, rowwise or blockwise
 
 Its ops are an explicit table (fp8train/ops.py): an aten op that is not listed raises, so no op
 ever silently runs on float8 bytes as if they were numbers. `__tensor_flatten__` and
@@ -83,10 +84,22 @@ class Float8Tensor(torch.Tensor):
     def fp8_dtype(self) -> torch.dtype:
         return self._data.dtype
 
+    def broadcast_scale(self) -> torch.Tensor:
+        """The scale, broadcastable against the data (blockwise scales are expanded)."""
+        if self._granularity is not ScalingGranularity.BLOCKWISE:
+            return self._scale
+        (r, c), (sr, sc) = self._data.shape, self._scale.shape
+        return self._scale.repeat_interleave(r // sr, 0).repeat_interleave(c // sc, 1)
+
     def to_hp(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantize: `_data / _scale` in `dtype` (default: the original dtype)."""
-        hp = self._data.to(torch.float32) / self._scale
-        return hp.to(dtype or self._orig_dtype)
+        data = self._data.to(torch.float32)
+        if self._granularity is ScalingGranularity.BLOCKWISE:
+            # One scale per block: (R / rows, C / cols) against (R, C) data.
+            (r, c), (sr, sc) = data.shape, self._scale.shape
+            blocked = data.reshape(sr, r // sr, sc, c // sc) / self._scale[:, None, :, None]
+            return blocked.reshape(r, c).to(dtype or self._orig_dtype)
+        return (data / self._scale).to(dtype or self._orig_dtype)
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, ScalingGranularity]]:
         return ["_data", "_scale"], (self._orig_dtype, self._granularity)
