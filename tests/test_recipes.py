@@ -100,3 +100,13 @@ def test_blockwise_compiles_fullgraph():
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
     compiled(x).sum().backward()
+
+
+def test_blockwise_compiled_backward_keeps_the_float8_input():
+    from tests.test_compile import backward_inputs
+
+    layer = Float8Linear(K, N, bias=False, config=Float8LinearConfig.from_recipe_name("blockwise"))
+    graph = backward_inputs(layer, torch.randn(M, K, requires_grad=True))
+    assert sorted(graph, key=str) == sorted(
+        [(E4M3, (M, K)), (torch.float32, (M // 128, K)), (torch.float32, (N, K))], key=str
+    )
