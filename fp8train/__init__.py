@@ -21,6 +21,7 @@ from fp8train.config import (
     ScalingType,
 )
 from fp8train.convert import convert_to_float8_training
+from fp8train.distributed import precompute_float8_dynamic_scale_for_fsdp
 from fp8train.linear import Float8Linear
 from fp8train.matmul import float8_matmul
 from fp8train.numerics import compute_error
@@ -40,6 +41,7 @@ __all__ = [
     "ScalingType",
     # top-level UX
     "convert_to_float8_training",
+    "precompute_float8_dynamic_scale_for_fsdp",
     # modules and tensors
     "Float8Linear",
     "Float8Tensor",

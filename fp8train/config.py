@@ -215,6 +215,10 @@ class Float8LinearConfig:
     chooses, and it keeps float8 unless the high-precision input is kept anyway (by the op that
     produced it, say), where a float8 copy would only add memory."""
 
+    enable_fsdp_float8_all_gather: bool = False
+    """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
+    element on the wire instead of 2 or 4. Tensorwise dynamic weight scaling only."""
+
     _casts: dict = dataclasses.field(init=False, repr=False, compare=False)
     _gemms: dict = dataclasses.field(init=False, repr=False, compare=False)
     # Every (role, gemm) cast and every gemm config resolved once, here: forward and backward
@@ -244,6 +248,20 @@ class Float8LinearConfig:
             Gemm.GRAD_WEIGHT: self.gemm_config_grad_weight,
         }
         object.__setattr__(self, "_gemms", gemms)
+        if self.enable_fsdp_float8_all_gather:
+            for gemm in (Gemm.OUTPUT, Gemm.GRAD_INPUT):
+                cast = self.cast_config(Role.WEIGHT, gemm)
+                if not (
+                    cast.enabled
+                    and cast.scaling_granularity is ScalingGranularity.TENSORWISE
+                    and cast.target_dtype == E4M3
+                ):
+                    raise ValueError(
+                        "enable_fsdp_float8_all_gather=True all-gathers one float8 copy of the "
+                        "weight for both its gemms, which needs a tensorwise e4m3 weight cast; "
+                        f"the weight's cast for the {gemm.value} gemm is {cast}: use tensorwise "
+                        "weight scaling, or turn float8 all-gather off"
+                    )
         for gemm, (role_a, role_b) in GEMM_OPERANDS.items():
             cast_a, cast_b = self.cast_config(role_a, gemm), self.cast_config(role_b, gemm)
             if cast_a.enabled != cast_b.enabled:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fp8train.config import Float8LinearConfig
+from fp8train.distributed.fsdp import wrap_weight_for_fsdp
 from fp8train.linear import Float8Linear
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -30,7 +31,10 @@ def convert_to_float8_training(
     def convert(child: nn.Module, fqn: str) -> nn.Module:
         if isinstance(child, nn.Linear) and not isinstance(child, Float8Linear):
             if module_filter_fn is None or module_filter_fn(child, fqn):
-                return Float8Linear.from_float(child, config, fqn=fqn)
+                new = Float8Linear.from_float(child, config, fqn=fqn)
+                if config.enable_fsdp_float8_all_gather:
+                    wrap_weight_for_fsdp(new, config.round_scales_to_power_of_2)
+                return new
             return child
         for name, grandchild in list(child.named_children()):
             swapped = convert(grandchild, f"{fqn}.{name}" if fqn else name)

@@ -63,6 +63,18 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
     return _rewrap(tensor, func(tensor._data, shape))
 
 
+@implements([aten.as_strided.default])
+def _as_strided(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
+    # FSDP2 lays its unsharded parameter out over the all-gather buffer with as_strided.
+    tensor, *rest = args
+    if tensor._granularity is not ScalingGranularity.TENSORWISE:
+        raise NotImplementedError(
+            f"{func} of a {tensor._granularity.value} Float8Tensor: only tensorwise Float8Tensors "
+            "can be restrided; dequantize with .to_hp() first"
+        )
+    return _rewrap(tensor, func(tensor._data, *rest, **kwargs))
+
+
 @implements([aten._to_copy.default])
 def _to_copy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     (tensor,) = args

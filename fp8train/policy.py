@@ -90,6 +90,9 @@ def forward_operands(
     when its gemm needs a different one (None: backward keeps `hp` or the first cast, see
     `kept_for_backward`). None instead of repeats: autograd.Function under torch.compile
     refuses the same tensor twice."""
+    if isinstance(hp, Float8Tensor):
+        # Already float8: FSDP's float8 all-gather cast it (tensorwise, for both its gemms).
+        return None, None
     backward_gemm = BACKWARD_GEMM[role]
     keep = keeps_float8(config, role)
     shared = _shared(config, role)
@@ -118,6 +121,8 @@ def kept_for_backward(
     """What backward keeps of `role`, from `forward_operands`' results."""
     if not keeps_float8(config, role):
         return hp
+    if isinstance(hp, Float8Tensor):
+        return with_layout(hp, role, BACKWARD_GEMM[role])
     if _shared(config, role):
         # Kept in the layout of the backward gemm: the transposed copy is made now, while
         # memory is lower than at backward's peak, and the forward layout is freed.

@@ -1,0 +1,133 @@
+"""FSDP2 on 2 CPU ranks over gloo: float8 all-gather gives the losses of FSDP2 without it, and
+moves 1 byte per weight element."""
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from fp8train import Float8LinearConfig, convert_to_float8_training
+from fp8train.distributed import (
+    WeightWithFloat8CastTensor,
+    precompute_float8_dynamic_scale_for_fsdp,
+)
+
+WORLD_SIZE = 2
+STEPS = 5
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str, mode: str, reshard_after_forward: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48, bias=False)
+        )
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=mode != "hp-all-gather")
+        convert_to_float8_training(model, config=config)
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        gathered = []
+        original = WeightWithFloat8CastTensor.fsdp_pre_all_gather
+
+        # The same parameters as the hook: FSDP reads its signature.
+        def counting(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ANN001, ANN202
+            inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
+            gathered.extend((t.dtype, t.numel(), t.element_size()) for t in inputs)
+            return inputs, metadata
+
+        WeightWithFloat8CastTensor.fsdp_pre_all_gather = counting
+        torch.manual_seed(1 + rank)  # each rank its own data
+        losses = []
+        for _ in range(STEPS):
+            loss = model(torch.randn(32, 64)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if mode == "float8-all-gather-precomputed":
+                precompute_float8_dynamic_scale_for_fsdp(model)
+            losses.append(loss.detach())
+        torch.save({"losses": torch.stack(losses), "gathered": gathered}, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_fsdp(tmp_path, mode: str, reshard_after_forward: bool = True) -> list[dict]:  # noqa: ANN001
+    out_dir = tmp_path / mode
+    out_dir.mkdir()
+    mp.spawn(
+        _worker,
+        args=(_free_port(), str(out_dir), mode, reshard_after_forward),
+        nprocs=WORLD_SIZE,
+    )
+    return [torch.load(out_dir / f"{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_float8_all_gather_gives_the_losses_of_hp_all_gather(tmp_path, reshard_after_forward):
+    reference = run_fsdp(tmp_path, "hp-all-gather", reshard_after_forward)
+    float8 = run_fsdp(tmp_path, "float8-all-gather", reshard_after_forward)
+    precomputed = run_fsdp(tmp_path, "float8-all-gather-precomputed", reshard_after_forward)
+    for rank in range(WORLD_SIZE):
+        # The same global scale casts the shards and the whole weight: the same float8 bytes.
+        torch.testing.assert_close(float8[rank]["losses"], reference[rank]["losses"])
+        torch.testing.assert_close(precomputed[rank]["losses"], reference[rank]["losses"])
+        assert reference[rank]["gathered"] == []
+        # Every all-gather input: the rank's shard in 1-byte elements.
+        gathered = float8[rank]["gathered"]
+        assert gathered and all(dtype == torch.uint8 and size == 1 for dtype, _, size in gathered)
+        shard_elements = {64 * 128 // WORLD_SIZE, 128 * 48 // WORLD_SIZE}
+        assert {numel for _, numel, _ in gathered} == shard_elements
+
+
+def test_float8_all_gather_needs_a_tensorwise_weight_cast():
+    from fp8train import CastConfig
+
+    with pytest.raises(ValueError, match="needs a tensorwise e4m3 weight cast"):
+        Float8LinearConfig(
+            enable_fsdp_float8_all_gather=True,
+            cast_config_input=CastConfig(scaling_granularity="rowwise"),
+            cast_config_weight=CastConfig(scaling_granularity="rowwise"),
+            cast_config_grad_output=CastConfig(scaling_granularity="rowwise"),
+        )
+
+
+def test_wrapped_weight_without_fsdp_trains_like_a_plain_one():
+    """The wrapper is a plain high-precision weight to everything but FSDP's all-gather."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 32, bias=False))
+    models = [
+        convert_to_float8_training(
+            copy.deepcopy(base), config=Float8LinearConfig(enable_fsdp_float8_all_gather=flag)
+        )
+        for flag in (False, True)
+    ]
+    assert isinstance(models[1][0].weight, WeightWithFloat8CastTensor)
+    x = torch.randn(16, 64)
+    for model in models:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert torch.equal(models[0](x), models[1](x))
+    assert models[1].state_dict().keys() == models[0].state_dict().keys()
