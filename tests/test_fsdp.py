@@ -131,3 +131,80 @@ def test_wrapped_weight_without_fsdp_trains_like_a_plain_one():
             optimizer.zero_grad()
     assert torch.equal(models[0](x), models[1](x))
     assert models[1].state_dict().keys() == models[0].state_dict().keys()
+
+
+def _dcp_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+
+        def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(seed)
+            model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 48))
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+            convert_to_float8_training(model, config=config)
+            fully_shard(model, mesh=mesh)
+            return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+        def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+            loss = model(torch.randn(32, 64)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.detach()
+
+        model, optimizer = build(0)
+        torch.manual_seed(1 + rank)
+        step(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"{out_dir}/ckpt")
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        if rank == 0:
+            torch.save(full, f"{out_dir}/full_expected.pt")
+        expected = step(model, optimizer)
+
+        restored, restored_optimizer = build(123)
+        model_state, optim_state = get_state_dict(restored, restored_optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=f"{out_dir}/ckpt")
+        set_state_dict(
+            restored,
+            restored_optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        torch.manual_seed(1 + rank)
+        torch.randn(32, 64)  # the batch the first step used
+        torch.save({"expected": expected, "resumed": step(restored, restored_optimizer)},
+                   f"{out_dir}/{rank}.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_checkpoint_round_trip_and_reshard_to_one_process(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    mp.spawn(_dcp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE)
+    for rank in range(WORLD_SIZE):
+        result = torch.load(tmp_path / f"{rank}.pt")
+        assert torch.equal(result["expected"], result["resumed"])
+    # Resharded to world size 1: the checkpoint loads into a plain, unsharded model.
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "full.pt")
+    # weights_only=True: the checkpoint holds plain tensors, no fp8train class.
+    full = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    expected = torch.load(tmp_path / "full_expected.pt", weights_only=True)
+    plain = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 48))
+    plain.load_state_dict(full)
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(tensor, expected[name])

@@ -142,6 +142,27 @@ def wrap_weight_for_fsdp(module: nn.Linear, round_scales_to_power_of_2: bool) ->
         WeightWithFloat8CastTensor(weight.data, None, round_scales_to_power_of_2),
         requires_grad=weight.requires_grad,
     )
+    module.register_state_dict_post_hook(_plain_weight_in_state_dict)
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:  # noqa: ANN001
+    """Checkpoints hold the plain hp weight: they load into the original model (and a torch.load
+    with weights_only=True) without this class. Loading back copies into the wrapper."""
+    from torch.distributed.tensor import DTensor
+
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, WeightWithFloat8CastTensor):
+        state_dict[key] = DTensor.from_local(
+            value._local_tensor._tensor,
+            value.device_mesh,
+            value.placements,
+            shape=value.shape,
+            stride=value.stride(),
+            run_check=False,
+        )
+    elif isinstance(value, WeightWithFloat8CastTensor):
+        state_dict[key] = value._tensor
 
 
 @torch.no_grad()
