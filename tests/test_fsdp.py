@@ -208,3 +208,42 @@ def test_distributed_checkpoint_round_trip_and_reshard_to_one_process(tmp_path):
     plain.load_state_dict(full)
     for name, tensor in plain.state_dict().items():
         assert torch.equal(tensor, expected[name])
+
+
+def _fsdp1_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48, bias=False)
+        )
+        convert_to_float8_training(model)
+        single = copy.deepcopy(model)
+        sharded = FullyShardedDataParallel(
+            model, use_orig_params=True, device_id=torch.device("cpu")
+        )
+        losses = []
+        for module in (sharded, single):
+            optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+            run = []
+            for step in range(STEPS):
+                torch.manual_seed(10 + step)  # the same batch on every rank: one process's run
+                loss = module(torch.randn(32, 64)).square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                run.append(loss.detach())
+            losses.append(torch.stack(run))
+        torch.save({"fsdp1": losses[0], "single": losses[1]}, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp1_with_orig_params_matches_one_process(tmp_path):
+    mp.spawn(_fsdp1_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE)
+    for rank in range(WORLD_SIZE):
+        result = torch.load(tmp_path / f"{rank}.pt")
+        torch.testing.assert_close(result["fsdp1"], result["single"])
