@@ -59,3 +59,17 @@ def _format(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.3e}"
     return str(value)
+
+
+def median_time_s(fn, device: torch.device | str, *, warmup: int = 3) -> float:  # noqa: ANN001
+    """Median wall time of `fn()` in seconds: CUDA events through triton's do_bench on a GPU
+    (which also flushes the L2 between runs), torch.utils.benchmark on the CPU."""
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    from torch.utils.benchmark import Timer
+
+    for _ in range(warmup):
+        fn()
+    return Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median

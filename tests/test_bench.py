@@ -18,3 +18,21 @@ def test_memory_table_shows_ratios_to_bf16():
 def test_bench_memory_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="run it on a GPU"):
         main(["bench-memory", "--cases", "linear-4096"])
+
+
+def test_bench_linear_runs_a_tiny_shape_on_the_cpu(capsys):
+    main(["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "off"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| name"))
+    assert "fp8_speedup" in header and "ref_time_sec" in header
+    assert "geometric mean fp8_speedup over 1 rows" in out
+
+
+def test_bench_matmul_runs_a_tiny_shape_on_the_cpu(capsys, monkeypatch):
+    from benchmarks import bench_matmul
+
+    monkeypatch.setattr(
+        "sys.argv", ["bench_matmul", "--device", "cpu", "--shape", "32", "32", "32"]
+    )
+    bench_matmul.main()
+    assert "fp8_tflops" in capsys.readouterr().out

@@ -1,0 +1,186 @@
+"""fwd+bwd of one linear layer, nn.Linear against Float8Linear (and torchao.float8 when it is
+importable, timed in the same run, interleaved), on float8_experimental's LLaMA-70B shapes.
+
+    python -m benchmarks.bench_linear [--compile both] [--recipes tensorwise rowwise] [--csv f]
+    python -m fp8train bench-linear ...                 (the same, from a checkout)
+    python -m benchmarks.bench_linear --shape 8192 4096 4096 --shape ...    (custom M K N)
+    python -m benchmarks.bench_linear --sweep                              (a grid of K, N)
+    python -m benchmarks.bench_linear --device cpu --shape 64 64 64        (a smoke run)
+
+Columns: name, shape, ref_dtype, compiled, recompute_weight_cast, recipe, ref_time_sec,
+fp8_time_sec, fp8_speedup, pct_fp8_peak (the three gemms' 6*M*K*N FLOPs over fp8_time_sec, as a
+share of --fp8-peak-tflops), and torchao_time_sec / torchao_speedup / vs_torchao. With --plot,
+a PNG of the speedups by shape (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import statistics
+
+import torch
+from torch import nn
+
+from benchmarks.utils import markdown_table, median_time_s, print_environment, write_csv
+from fp8train import Float8Linear, Float8LinearConfig, Float8LinearRecipeName
+
+try:
+    import torchao.float8 as torchao_float8
+except ImportError:
+    torchao_float8 = None
+
+LLAMA_70B_SHAPES = {
+    "attn.wqkv": (16384, 8192, 1280),
+    "attn.w0": (16384, 1024, 8192),
+    "ffn.w13": (16384, 8192, 7168),
+    "ffn.w2": (16384, 3584, 8192),
+}
+ROUNDS = 3
+"""Each timing is the median of this many interleaved rounds (ref, ours, torchao, ref, ...)."""
+
+
+def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):  # noqa: ANN201
+    def run() -> None:
+        layer(x).backward(grad)
+
+    return run
+
+
+def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device):  # noqa: ANN001, ANN201, PLR0913
+    torch.manual_seed(0)
+    ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
+    config = Float8LinearConfig.from_recipe_name(recipe, recompute_weight_cast=recompute)
+    layers = {"ref": ref, "fp8": Float8Linear.from_float(copy.deepcopy(ref), config)}
+    if torchao_float8 is not None and recipe in ("tensorwise", "rowwise"):
+        ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
+        layers["torchao"] = torchao_float8.convert_to_float8_training(
+            nn.Sequential(copy.deepcopy(ref)), config=ao_config
+        )
+    if compiled:
+        torch._dynamo.reset()
+        layers = {key: torch.compile(layer) for key, layer in layers.items()}
+    x = torch.randn(m, k, device=device, dtype=ref_dtype, requires_grad=True)
+    grad = torch.randn(m, n, device=device, dtype=ref_dtype)
+    times: dict[str, list[float]] = {key: [] for key in layers}
+    for _ in range(ROUNDS):
+        for key, layer in layers.items():
+            times[key].append(median_time_s(fwd_bwd(layer, x, grad), device))
+    t = {key: statistics.median(values) for key, values in times.items()}
+    row = {
+        "name": name,
+        "shape": f"({m}, {k}, {n})",
+        "ref_dtype": str(ref_dtype).removeprefix("torch."),
+        "compiled": compiled,
+        "recompute_weight_cast": recompute,
+        "recipe": recipe,
+        "ref_time_sec": t["ref"],
+        "fp8_time_sec": t["fp8"],
+        "fp8_speedup": t["ref"] / t["fp8"],
+    }
+    if "torchao" in t:
+        row |= {
+            "torchao_time_sec": t["torchao"],
+            "torchao_speedup": t["ref"] / t["torchao"],
+            "vs_torchao": t["torchao"] / t["fp8"],
+        }
+    return row
+
+
+def add_peak(rows: list[dict], peak_tflops: float | None) -> None:
+    for row in rows:
+        m, k, n = (int(v) for v in row["shape"].strip("()").split(", "))
+        flops = 6 * m * k * n
+        row["pct_fp8_peak"] = (
+            100 * flops / row["fp8_time_sec"] / (peak_tflops * 1e12) if peak_tflops else None
+        )
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['name']}\n{r['recipe']}{' c' if r['compiled'] else ''}" for r in rows]
+    figure, axes = plt.subplots(figsize=(max(6, len(rows)), 4))
+    axes.bar(range(len(rows)), [r["fp8_speedup"] for r in rows], label="fp8train", width=0.4)
+    if any("torchao_speedup" in r for r in rows):
+        axes.bar(
+            [i + 0.4 for i in range(len(rows))],
+            [r.get("torchao_speedup", 0) for r in rows],
+            label="torchao.float8",
+            width=0.4,
+        )
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(rows)), labels, fontsize=7)
+    axes.set_ylabel("fwd+bwd speedup over the reference dtype")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=150)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("M", "K", "N"))
+    parser.add_argument("--sweep", action="store_true", help="M=16384, K and N in 1024..8192")
+    parser.add_argument("--ref-dtypes", nargs="+", default=None, choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--recompute", choices=["on", "off", "both"], default="on")
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=["tensorwise"],
+        choices=[r.value for r in Float8LinearRecipeName],
+    )
+    parser.add_argument(
+        "--fp8-peak-tflops",
+        type=float,
+        default=None,
+        help="dense float8 peak for the %% column (default: 1979 on H100/H200, else none)",
+    )
+    parser.add_argument("--csv")
+    parser.add_argument("--plot", help="write a PNG of the speedups to this path")
+
+
+def main(args: argparse.Namespace) -> None:
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    ref_names = args.ref_dtypes or (["bf16"] if args.device == "cuda" else ["fp32"])
+    if args.shape:
+        shapes = {f"custom{i}": tuple(s) for i, s in enumerate(args.shape)}
+    elif args.sweep:
+        sizes = (1024, 2048, 4096, 8192)
+        shapes = {f"sweep{k}x{n}": (16384, k, n) for k, n in itertools.product(sizes, sizes)}
+    else:
+        shapes = LLAMA_70B_SHAPES
+    peak = args.fp8_peak_tflops
+    if peak is None and args.device == "cuda":
+        name = torch.cuda.get_device_name()
+        peak = 1979.0 if ("H100" in name or "H200" in name) else None
+    compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    recompute = {"on": [True], "off": [False], "both": [True, False]}[args.recompute]
+
+    print_environment()
+    print(f"- torchao.float8: {'importable' if torchao_float8 else 'not importable'}\n")
+    rows = [
+        bench_shape(name, m, k, n, dtypes[ref], c, r, recipe, args.device)
+        for (name, (m, k, n)), ref, c, r, recipe in itertools.product(
+            shapes.items(), ref_names, compiled, recompute, args.recipes
+        )
+    ]
+    add_peak(rows, peak)
+    print(markdown_table(rows, list(dict.fromkeys(key for row in rows for key in row))))
+    geomean = statistics.geometric_mean(r["fp8_speedup"] for r in rows)
+    print(f"\ngeometric mean fp8_speedup over {len(rows)} rows: {geomean:.3f}x")
+    if args.csv:
+        write_csv(rows, args.csv)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())
