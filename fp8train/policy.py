@@ -15,13 +15,17 @@ Eager mode: the matmul's autograd.Function saves exactly these tensors.
 torch.compile: the partitioner ignores save_for_backward; it traces forward and backward into
 one graph, merges the backward's recast with the forward's cast (common subexpressions) and
 chooses what to keep by size, so that left alone it keeps the float8 input and recasts the
-weight whatever the config says. Each forward cast therefore runs in its own selective
-activation-checkpoint region whose policy tags every op of the cast MUST_SAVE (the float8 result
-is kept) or MUST_RECOMPUTE (backward recasts from the hp tensor) - the tags the partitioner
-honours. With recompute_input_cast=None the input's cast is left untagged: the partitioner then
-keeps the float8 input unless the hp input is kept for backward anyway (the input of the
-attention output projection, which SDPA's backward needs, say), where a float8 copy would only
-add memory (benchmarks/bench_memory.py measures the difference).
+weight whatever the config says. So each forward cast that backward shares (tensorwise: the
+same float8 tensor serves both gemms of a role) runs in its own selective activation-checkpoint
+region, whose policy tags every op of the cast MUST_SAVE (the float8 result is kept) or
+MUST_RECOMPUTE (backward recasts from the hp tensor): the tags the partitioner honours. Casts
+that backward does not share (rowwise, and blockwise activations: each gemm casts along its own
+inner dim) stay untagged, for a tag there either misleads the partitioner or is ignored by it.
+
+With recompute_input_cast=None the input's cast is left untagged: the partitioner then keeps
+the float8 input unless the hp input is kept for backward anyway (the input of the attention
+output projection, which SDPA's backward needs, say), where a float8 copy would only add memory
+(benchmarks/bench_memory.py measures the difference).
 
 Inside a user's activation-checkpoint region the casts are tagged PREFER_RECOMPUTE instead: the
 user asked for that region to be recomputed, and forcing float8 copies of every linear input to
@@ -105,7 +109,7 @@ def forward_operands(
     if not keep or shared:
         return for_output, None
     # A cast that only backward uses: a checkpoint region around it would let the partitioner
-    # schedule it into backward, whatever its tag, so it is left untagged (and kept: measured).
+    # schedule it into backward, whatever its tag; untagged, it is kept (tests/test_compile.py).
     for_backward = _tagged_cast(hp, role, backward_gemm, config, None)
     observe_cast(observer, role, backward_gemm, hp, for_backward)
     return for_output, for_backward
