@@ -12,6 +12,7 @@ from fp8train import stats
 from fp8train.cast import to_float8
 from fp8train.config import (
     CastConfig,
+    DelayedScalingConfig,
     Float8GemmConfig,
     Float8LinearConfig,
     Float8LinearRecipeName,
@@ -21,6 +22,7 @@ from fp8train.config import (
     ScalingType,
 )
 from fp8train.convert import convert_to_float8_training
+from fp8train.delayed import strip_float8_state, sync_float8_amax_and_scale_history
 from fp8train.distributed import precompute_float8_dynamic_scale_for_fsdp
 from fp8train.linear import Float8Linear
 from fp8train.matmul import float8_matmul
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     # configuration
     "CastConfig",
+    "DelayedScalingConfig",
     "Float8GemmConfig",
     "Float8LinearConfig",
     "Float8LinearRecipeName",
@@ -41,6 +44,8 @@ __all__ = [
     "ScalingType",
     # top-level UX
     "convert_to_float8_training",
+    "sync_float8_amax_and_scale_history",
+    "strip_float8_state",
     "precompute_float8_dynamic_scale_for_fsdp",
     # modules and tensors
     "Float8Linear",

@@ -152,13 +152,21 @@ def block_shape(role: Role, gemm: Gemm) -> tuple[int, int]:
 
 
 def cast_for_gemm(
-    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig
+    hp: torch.Tensor,
+    role: Role,
+    gemm: Gemm,
+    config: Float8LinearConfig,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`hp` (2-D, in its role's shape) as the `gemm` needs it: a Float8Tensor, or `hp`
-    itself when that gemm runs in high precision."""
+    itself when that gemm runs in high precision. `scale`: the scale of a delayed or static
+    cast (fp8train.delayed); dynamic casts take theirs from the amax of `hp`."""
     cast: CastConfig = config.cast_config(role, gemm)
     if not cast.enabled:
         return hp
+    column_major = hp.dim() == 2 and _COLUMN_MAJOR[(role, gemm)]
+    if scale is not None:
+        return quantize(hp, scale, cast.target_dtype, column_major=column_major)
     rowwise = cast.scaling_granularity is ScalingGranularity.ROWWISE
     blockwise = cast.scaling_granularity is ScalingGranularity.BLOCKWISE
     return to_float8(
@@ -168,7 +176,7 @@ def cast_for_gemm(
         reduce_dim=_INNER_DIM[(role, gemm)] if rowwise else None,
         block=block_shape(role, gemm) if blockwise else None,
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
-        column_major=hp.dim() == 2 and _COLUMN_MAJOR[(role, gemm)],
+        column_major=column_major,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 import torch
 
@@ -29,6 +30,13 @@ class ScalingType(str, enum.Enum):
 
     DYNAMIC = "dynamic"
     """The scale comes from the amax of the tensor being cast, computed just before the cast."""
+
+    DELAYED = "delayed"
+    """The scale comes from the amax history of earlier steps, kept in the layer's buffers and
+    updated once per step by sync_float8_amax_and_scale_history(model). Tensorwise only."""
+
+    STATIC = "static"
+    """A fixed scale given in CastConfig.static_scale. Tensorwise only."""
 
     DISABLED = "disabled"
     """No float8 cast: the operand stays in high precision and its gemm runs in high precision."""
@@ -78,6 +86,13 @@ GEMM_OPERANDS: dict[Gemm, tuple[Role, Role]] = {
     Gemm.GRAD_WEIGHT: (Role.GRAD_OUTPUT, Role.INPUT),
 }
 
+# The two gemms each role is an operand of.
+ROLE_GEMMS: dict[Role, tuple[Gemm, Gemm]] = {
+    Role.INPUT: (Gemm.OUTPUT, Gemm.GRAD_WEIGHT),
+    Role.WEIGHT: (Gemm.OUTPUT, Gemm.GRAD_INPUT),
+    Role.GRAD_OUTPUT: (Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT),
+}
+
 # e4m3 has more mantissa for values, e5m2 more range for gradients.
 _DEFAULT_DTYPE: dict[Role, torch.dtype] = {
     Role.INPUT: E4M3,
@@ -109,12 +124,36 @@ class CastConfig:
     target_dtype: torch.dtype | None = None
     """float8_e4m3fn or float8_e5m2; None picks the role's default (e4m3, grad_output e5m2)."""
 
+    static_scale: float | None = None
+    """The scale (hp -> float8) of scaling_type 'static'."""
+
     def __post_init__(self) -> None:
         # Accept the enums' string values, as a config read from YAML or a CLI would give them.
         object.__setattr__(self, "scaling_type", _parse(ScalingType, self.scaling_type))
         object.__setattr__(
             self, "scaling_granularity", _parse(ScalingGranularity, self.scaling_granularity)
         )
+        stateful = self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC)
+        if stateful and self.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            raise ValueError(
+                f"scaling_type={self.scaling_type.value} keeps one scale per tensor: use "
+                "scaling_granularity='tensorwise', or dynamic scaling for rowwise and blockwise"
+            )
+        if self.scaling_type is ScalingType.STATIC:
+            if (
+                self.static_scale is None
+                or not math.isfinite(self.static_scale)
+                or self.static_scale <= 0
+            ):
+                raise ValueError(
+                    f"scaling_type='static' needs a finite, positive static_scale, got "
+                    f"{self.static_scale!r}"
+                )
+        elif self.static_scale is not None:
+            raise ValueError(
+                f"static_scale={self.static_scale} is given but scaling_type is "
+                f"{self.scaling_type.value}: set scaling_type='static', or drop static_scale"
+            )
         if self.target_dtype is not None and self.target_dtype not in FLOAT8_DTYPES:
             raise ValueError(
                 f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype: use "
@@ -130,6 +169,23 @@ class CastConfig:
         if self.target_dtype is not None:
             return self
         return dataclasses.replace(self, target_dtype=_DEFAULT_DTYPE[role])
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingConfig:
+    """How delayed scaling turns its amax history into a scale."""
+
+    history_len: int = 16
+    """Steps of amax kept per tensor."""
+
+    scale_fn: str = "max"
+    """'max': the scale of the largest amax in the history; 'most_recent': of the last one."""
+
+    def __post_init__(self) -> None:
+        if self.history_len < 1:
+            raise ValueError(f"history_len={self.history_len}: keep at least 1 step of amax")
+        if self.scale_fn not in ("max", "most_recent"):
+            raise ValueError(f"scale_fn={self.scale_fn!r}: choose 'max' or 'most_recent'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +271,9 @@ class Float8LinearConfig:
     chooses, and it keeps float8 unless the high-precision input is kept anyway (by the op that
     produced it, say), where a float8 copy would only add memory."""
 
+    delayed_scaling_config: DelayedScalingConfig = DelayedScalingConfig()
+    """History length and scale function of the roles with scaling_type 'delayed'."""
+
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
     element on the wire instead of 2 or 4. Tensorwise dynamic weight scaling only."""
@@ -248,7 +307,21 @@ class Float8LinearConfig:
             Gemm.GRAD_WEIGHT: self.gemm_config_grad_weight,
         }
         object.__setattr__(self, "_gemms", gemms)
+        for role, gemms in ROLE_GEMMS.items():
+            first, second = (self.cast_config(role, gemm) for gemm in gemms)
+            stateful = {ScalingType.DELAYED, ScalingType.STATIC}
+            if {first.scaling_type, second.scaling_type} & stateful and first != second:
+                raise ValueError(
+                    f"{role.value} has a {first.scaling_type.value} cast for the {gemms[0].value} "
+                    f"gemm but {second} for the {gemms[1].value} gemm: delayed and static "
+                    "scaling keep one scale per tensor, so give both gemms the same cast"
+                )
         if self.enable_fsdp_float8_all_gather:
+            if self.cast_config_weight.scaling_type is not ScalingType.DYNAMIC:
+                raise ValueError(
+                    "enable_fsdp_float8_all_gather=True supports dynamic weight scaling only, "
+                    f"not {self.cast_config_weight.scaling_type.value}"
+                )
             for gemm in (Gemm.OUTPUT, Gemm.GRAD_INPUT):
                 cast = self.cast_config(Role.WEIGHT, gemm)
                 if not (

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fp8train.config import BLOCK, HP_DTYPES, Float8LinearConfig, Gemm, ScalingGranularity
+from fp8train.delayed import buffer_names, delayed_roles, register_delayed_buffers, role_state
 from fp8train.matmul import (
     ALIGNMENT,
     blockwise_tokens_misaligned,
@@ -40,6 +41,7 @@ class Float8Linear(nn.Linear):
         """The layer's name in its model, for error messages."""
         self._observer = None
         # Set by fp8train.stats.record: called with every cast this layer makes.
+        register_delayed_buffers(self, self.config, device=self.weight.device)
         check_float8_compatible(self, self.config, fqn)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -64,7 +66,8 @@ class Float8Linear(nn.Linear):
                 misaligned_message(Gemm.GRAD_WEIGHT, tokens, self.in_features, self.fqn)
             )
         observer = None if torch.compiler.is_compiling() else self._observer
-        output = linear_mm(input, self.weight, self.config, observer)
+        state = {role: role_state(self, role) for role in delayed_roles(self.config)}
+        output = linear_mm(input, self.weight, self.config, observer, state)
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output
@@ -80,10 +83,26 @@ class Float8Linear(nn.Linear):
             new = cls(module.in_features, module.out_features, bias=False, config=config, fqn=fqn)
         new.weight = module.weight
         new.bias = module.bias
+        register_delayed_buffers(new, config, device=module.weight.device)
         return new
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {describe_config(self.config)}"
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, *args
+    ):  # noqa: ANN001, ANN202, D105
+        # A checkpoint of the unconverted model has no delayed-scaling state: keep the initial
+        # state (the first step scales from the data) instead of failing a strict load.
+        absent = [
+            prefix + name for name in buffer_names(self.config) if prefix + name not in state_dict
+        ]
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, *args
+        )
+        for key in absent:
+            if key in missing_keys:
+                missing_keys.remove(key)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
         # .to(device) / .cuda() land here: refuse a GPU without float8 gemms when moved to it.

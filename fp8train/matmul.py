@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8train.cast import cast_for_gemm, cast_key, with_layout
-from fp8train.config import BLOCK, Float8LinearConfig, Gemm, Role, ScalingGranularity
+from fp8train.config import BLOCK, Float8LinearConfig, Gemm, Role, ScalingGranularity, ScalingType
+from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.policy import Observer, forward_operands, kept_for_backward, observe_cast
 from fp8train.tensor import Float8Tensor
 
@@ -193,6 +194,7 @@ class _Float8Matmul(torch.autograd.Function):
         weight_for_backward: Float8Tensor | None,
         config: Float8LinearConfig,
         observer: Observer | None = None,
+        grad_output_state: DelayedState | None = None,
     ) -> torch.Tensor:
         a = input_hp if input_for_output is None else input_for_output
         b = weight_hp if weight_for_output is None else weight_for_output
@@ -206,9 +208,21 @@ class _Float8Matmul(torch.autograd.Function):
         input_tensors, ctx.input_meta = _pack(input_kept)
         weight_tensors, ctx.weight_meta = _pack(weight_kept)
         ctx.num_input_tensors = len(input_tensors)
-        ctx.save_for_backward(*input_tensors, *weight_tensors)
+        ctx.num_weight_tensors = len(weight_tensors)
+        # A delayed or static cast recomputed in backward must use forward's scale.
+        recast_scales = [
+            _stateful_scale_of(kept, for_output, role, config)
+            for kept, for_output, role in (
+                (input_kept, input_for_output, Role.INPUT),
+                (weight_kept, weight_for_output, Role.WEIGHT),
+            )
+        ]
+        ctx.save_for_backward(*input_tensors, *weight_tensors, *recast_scales)
         ctx.config = config
         ctx.observer = observer
+        # The buffers themselves, not saved tensors: backward updates the amax in place, which
+        # a saved tensor's version check would refuse when the layer runs twice in one step.
+        ctx.grad_output_state = grad_output_state
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
@@ -216,14 +230,23 @@ class _Float8Matmul(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205, D102
         config = ctx.config
         saved = ctx.saved_tensors
-        input_saved = _unpack(saved[: ctx.num_input_tensors], ctx.input_meta)
-        weight_saved = _unpack(saved[ctx.num_input_tensors :], ctx.weight_meta)
+        n_input, n_weight = ctx.num_input_tensors, ctx.num_weight_tensors
+        input_saved = _unpack(saved[:n_input], ctx.input_meta)
+        weight_saved = _unpack(saved[n_input : n_input + n_weight], ctx.weight_meta)
+        input_recast_scale, weight_recast_scale = saved[n_input + n_weight :]
         grad_input = grad_weight = None
+        # One scale for both of grad_output's casts (delayed or static; None: dynamic).
+        grad_output_scale = stateful_scale(
+            grad_output,
+            config.cast_config(Role.GRAD_OUTPUT, Gemm.GRAD_INPUT),
+            ctx.grad_output_state,
+            config.round_scales_to_power_of_2,
+        )
 
         grad_output_for_grad_input = None
         if ctx.needs_input_grad[0]:
             grad_output_for_grad_input = cast_for_gemm(
-                grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT, config
+                grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT, config, grad_output_scale
             )
             observe_cast(
                 ctx.observer,
@@ -233,8 +256,9 @@ class _Float8Matmul(torch.autograd.Function):
                 grad_output_for_grad_input,
             )
             weight_for_grad_input = _recast(
-                weight_saved, Role.WEIGHT, Gemm.GRAD_INPUT, config, ctx.observer
-            )
+                weight_saved, Role.WEIGHT, Gemm.GRAD_INPUT, config, ctx.observer,
+                weight_recast_scale,
+            )  # fmt: skip
             grad_input = _gemm(
                 Gemm.GRAD_INPUT,
                 grad_output_for_grad_input,
@@ -260,7 +284,7 @@ class _Float8Matmul(torch.autograd.Function):
                 grad_output_for_grad_weight = grad_output_for_grad_input
             else:
                 grad_output_for_grad_weight = cast_for_gemm(
-                    grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, config
+                    grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, config, grad_output_scale
                 )
                 observe_cast(
                     ctx.observer,
@@ -270,8 +294,9 @@ class _Float8Matmul(torch.autograd.Function):
                     grad_output_for_grad_weight,
                 )
             input_for_grad_weight = _recast(
-                input_saved, Role.INPUT, Gemm.GRAD_WEIGHT, config, ctx.observer
-            )
+                input_saved, Role.INPUT, Gemm.GRAD_WEIGHT, config, ctx.observer,
+                input_recast_scale,
+            )  # fmt: skip
             grad_weight = _gemm(
                 Gemm.GRAD_WEIGHT,
                 grad_output_for_grad_weight.t(),
@@ -279,7 +304,7 @@ class _Float8Matmul(torch.autograd.Function):
                 config,
                 ctx.weight_dtype,
             )
-        return grad_input, grad_weight, None, None, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_mm(
@@ -287,12 +312,18 @@ def linear_mm(
     weight: torch.Tensor,
     config: Float8LinearConfig,
     observer: Observer | None = None,
+    state: dict[Role, DelayedState] | None = None,
 ) -> torch.Tensor:
     """`input @ weight.T` through the float8 gemms, any leading dims; no checks. `observer`
     (fp8train.stats) sees every cast that forward and backward make."""
     input_2d = input.reshape(-1, input.shape[-1])
-    input_for_output, input_for_backward = forward_operands(input_2d, Role.INPUT, config, observer)
-    weight_for_output, weight_for_backward = forward_operands(weight, Role.WEIGHT, config, observer)
+    state = state or {}
+    input_for_output, input_for_backward = forward_operands(
+        input_2d, Role.INPUT, config, observer, state.get(Role.INPUT)
+    )
+    weight_for_output, weight_for_backward = forward_operands(
+        weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT)
+    )
     output = _Float8Matmul.apply(
         input_2d,
         weight,
@@ -302,8 +333,19 @@ def linear_mm(
         weight_for_backward,
         config,
         observer,
+        state.get(Role.GRAD_OUTPUT),
     )
     return output.reshape(*input.shape[:-1], output.shape[-1])
+
+
+def _stateful_scale_of(
+    kept: torch.Tensor, for_output: Float8Tensor | None, role: Role, config: Float8LinearConfig
+) -> torch.Tensor | None:
+    cast = config.cast_config(role, Gemm.OUTPUT)
+    stateful = cast.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC)
+    if stateful and isinstance(for_output, Float8Tensor) and not isinstance(kept, Float8Tensor):
+        return for_output._scale
+    return None
 
 
 def _recast(
@@ -312,12 +354,14 @@ def _recast(
     gemm: Gemm,
     config: Float8LinearConfig,
     observer: Observer | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A saved operand as `gemm` needs it: kept float8 as is, kept hp cast now. The observer
-    sees the cast when it differs from forward's (a recast of the same bytes tells nothing)."""
+    """A saved operand as `gemm` needs it: kept float8 as is, kept hp cast now (with forward's
+    `scale` for delayed and static casts). The observer sees the cast when it differs from
+    forward's (a recast of the same bytes tells nothing)."""
     if isinstance(saved, Float8Tensor):
         return saved
-    fp8 = cast_for_gemm(saved, role, gemm, config)
+    fp8 = cast_for_gemm(saved, role, gemm, config, scale)
     if cast_key(config, role, gemm) != cast_key(config, role, Gemm.OUTPUT):
         observe_cast(observer, role, gemm, saved, fp8)
     return fp8

@@ -48,6 +48,7 @@ from torch.utils.checkpoint import (
 
 from fp8train.cast import cast_for_gemm, cast_key, with_layout
 from fp8train.config import Float8LinearConfig, Gemm, Role
+from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.tensor import Float8Tensor
 
 Observer = Callable[[Role, Gemm, torch.Tensor, Float8Tensor], None]
@@ -87,7 +88,11 @@ def keeps_float8(config: Float8LinearConfig, role: Role) -> bool:
 
 
 def forward_operands(
-    hp: torch.Tensor, role: Role, config: Float8LinearConfig, observer: Observer | None = None
+    hp: torch.Tensor,
+    role: Role,
+    config: Float8LinearConfig,
+    observer: Observer | None = None,
+    state: DelayedState | None = None,
 ) -> tuple[Float8Tensor | None, Float8Tensor | None]:
     """The casts forward makes of `hp` (input (M, K) or weight (N, K)): for the output gemm
     (None: that gemm runs in high precision on `hp`), and a second cast that backward keeps
@@ -104,7 +109,12 @@ def forward_operands(
     # recasts the same cast from hp; a cast that backward never needs is left untagged (a
     # recompute tag would make the partitioner keep the hp tensor for it).
     tag = _tag(config, role, keep) if shared else None
-    for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, tag)
+    # Delayed and static scales are found here, outside any checkpoint region: recording the
+    # amax is an in-place update, which a region must not hold.
+    scale = stateful_scale(
+        hp, config.cast_config(role, Gemm.OUTPUT), state, config.round_scales_to_power_of_2
+    )
+    for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, tag, scale)
     observe_cast(observer, role, Gemm.OUTPUT, hp, for_output)
     if not keep or shared:
         return for_output, None
@@ -139,14 +149,19 @@ def _shared(config: Float8LinearConfig, role: Role) -> bool:
 
 
 def _tagged_cast(
-    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig, keep: bool | None
+    hp: torch.Tensor,
+    role: Role,
+    gemm: Gemm,
+    config: Float8LinearConfig,
+    keep: bool | None,
+    scale: torch.Tensor | None = None,
 ) -> Float8Tensor | None:
     cast = config.cast_config(role, gemm)
     if not cast.enabled:
         return None
     if keep is None or not torch.compiler.is_compiling():
         with torch.no_grad():
-            return cast_for_gemm(hp, role, gemm, config)
+            return cast_for_gemm(hp, role, gemm, config, scale)
     # The region returns plain tensors: a subclass output of a checkpoint region is not traced.
     data, scale = checkpoint(
         _cast_to_tensors,
@@ -154,6 +169,7 @@ def _tagged_cast(
         role,
         gemm,
         config,
+        scale,
         use_reentrant=False,
         context_fn=functools.partial(create_selective_checkpoint_contexts, _SAVE_POLICIES[keep]),
     )
@@ -161,11 +177,15 @@ def _tagged_cast(
 
 
 def _cast_to_tensors(
-    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig
+    hp: torch.Tensor,
+    role: Role,
+    gemm: Gemm,
+    config: Float8LinearConfig,
+    scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # No autograd graph for the cast: gradients reach hp through the matmul's own backward.
     with torch.no_grad():
-        fp8 = cast_for_gemm(hp, role, gemm, config)
+        fp8 = cast_for_gemm(hp, role, gemm, config, scale)
     return fp8._data, fp8._scale
 
 

@@ -247,3 +247,48 @@ def test_fsdp1_with_orig_params_matches_one_process(tmp_path):
     for rank in range(WORLD_SIZE):
         result = torch.load(tmp_path / f"{rank}.pt")
         torch.testing.assert_close(result["fsdp1"], result["single"])
+
+
+def _delayed_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8train import CastConfig, sync_float8_amax_and_scale_history
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48))
+        delayed = CastConfig(scaling_type="delayed")
+        config = Float8LinearConfig(
+            cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+        )
+        convert_to_float8_training(model, config=config)
+        fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1 + rank)  # each rank its own data, so its own local amaxes
+        local_input_amax = []
+        for _ in range(3):
+            x = torch.randn(32, 64) * (1 + rank)
+            local_input_amax.append(x.abs().max())
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sync_float8_amax_and_scale_history(model)
+        buffers = {name: b.clone() for name, b in model.named_buffers() if "fp8_" in name}
+        torch.save(
+            {"buffers": buffers, "local": torch.stack(local_input_amax)}, f"{out_dir}/{rank}.pt"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_delayed_scaling_under_fsdp2_syncs_one_global_amax(tmp_path):
+    mp.spawn(_delayed_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE)
+    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(WORLD_SIZE)]
+    for name, tensor in results[0]["buffers"].items():
+        assert torch.equal(tensor, results[1]["buffers"][name]), name
+    # The first layer's input history holds the max over ranks, newest first.
+    expected = torch.maximum(results[0]["local"], results[1]["local"]).flip(0)
+    assert torch.equal(results[0]["buffers"]["0.fp8_amax_history_input"][:3], expected)

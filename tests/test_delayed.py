@@ -1,0 +1,203 @@
+"""Delayed and static scaling: the history, the sync, the first step, non-finite amaxes,
+checkpoints, and torch.compile without graph breaks or recompiles."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from fp8train import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    compute_error,
+    convert_to_float8_training,
+    strip_float8_state,
+    sync_float8_amax_and_scale_history,
+    to_float8,
+)
+from fp8train.config import E4M3, E5M2
+
+M, K, N = 32, 64, 48
+DELAYED = CastConfig(scaling_type="delayed")
+
+
+def delayed_config(**kwargs) -> Float8LinearConfig:
+    return Float8LinearConfig(
+        cast_config_input=DELAYED,
+        cast_config_weight=DELAYED,
+        cast_config_grad_output=DELAYED,
+        **kwargs,
+    )
+
+
+def test_invalid_combinations_are_refused():
+    with pytest.raises(ValueError, match="keeps one scale per tensor"):
+        CastConfig(scaling_type="delayed", scaling_granularity="rowwise")
+    with pytest.raises(ValueError, match="needs a finite, positive static_scale"):
+        CastConfig(scaling_type="static")
+    with pytest.raises(ValueError, match="set scaling_type='static'"):
+        CastConfig(static_scale=2.0)
+    with pytest.raises(ValueError, match="give both gemms the same cast"):
+        Float8LinearConfig(
+            cast_config_input=DELAYED, cast_config_input_for_grad_weight=CastConfig()
+        )
+    with pytest.raises(ValueError, match="history_len=0"):
+        DelayedScalingConfig(history_len=0)
+    with pytest.raises(ValueError, match="dynamic weight scaling only"):
+        Float8LinearConfig(cast_config_weight=DELAYED, enable_fsdp_float8_all_gather=True)
+
+
+def test_dynamic_layers_have_no_float8_state():
+    assert set(Float8Linear(K, N).state_dict()) == {"weight", "bias"}
+    keys = set(Float8Linear(K, N, config=delayed_config()).state_dict())
+    assert "fp8_amax_history_grad_output" in keys and "fp8_scale_weight" in keys
+
+
+def test_first_step_scales_from_the_data_like_dynamic_scaling():
+    dynamic = Float8Linear(K, N)
+    delayed = Float8Linear.from_float(copy.deepcopy(dynamic), delayed_config())
+    x, grad = torch.randn(M, K), torch.randn(M, N)
+    results = []
+    for layer in (dynamic, delayed):
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(grad)
+        results.append((out, xi.grad, layer.weight.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_sync_rolls_the_history_and_scales_from_its_max():
+    layer = Float8Linear(
+        K,
+        N,
+        bias=False,
+        config=delayed_config(delayed_scaling_config=DelayedScalingConfig(history_len=3)),
+    )
+    amaxes = []
+    for magnitude in (1.0, 4.0, 2.0, 0.5):
+        x = torch.randn(M, K)
+        x[0, 0] = magnitude * 10  # the amax of this step's input
+        amaxes.append(x.abs().max())
+        layer(x).sum().backward()
+        sync_float8_amax_and_scale_history(layer)
+        assert layer.fp8_initialized_input
+        expected = torch.stack(amaxes[::-1][:3])
+        assert torch.equal(layer.fp8_amax_history_input[: len(expected)], expected)
+        assert layer.fp8_amax_input == 0  # reset for the next step
+        assert torch.equal(layer.fp8_scale_input, 448.0 / expected.max())
+
+
+def test_most_recent_scale_fn_and_the_scale_reaching_the_cast():
+    config = delayed_config(delayed_scaling_config=DelayedScalingConfig(scale_fn="most_recent"))
+    layer = Float8Linear(K, N, bias=False, config=config)
+    layer(torch.randn(M, K) * 100).sum().backward()
+    sync_float8_amax_and_scale_history(layer)
+    x = torch.randn(M, K)
+    scale = layer.fp8_scale_input.clone()
+    with torch.no_grad():
+        out = layer(x)
+    # The cast used the stored scale (from step 1's amax), not this input's own.
+    expected = torch.mm(
+        to_float8(x, E4M3)._data.float() * 0
+        + (x * scale).clamp(-448, 448).to(E4M3).float() / scale,
+        (layer.weight * layer.fp8_scale_weight).clamp(-448, 448).to(E4M3).float().t()
+        / layer.fp8_scale_weight,
+    )
+    assert compute_error(expected, out) > 40
+    assert layer.fp8_amax_grad_output == 0 and layer.fp8_amax_history_grad_output[0] > 0
+    assert (
+        layer.fp8_scale_grad_output == torch.finfo(E5M2).max / layer.fp8_amax_history_grad_output[0]
+    )
+
+
+def test_non_finite_amax_never_enters_the_history():
+    layer = Float8Linear(K, N, bias=False, config=delayed_config())
+    layer(torch.randn(M, K)).sum().backward()
+    sync_float8_amax_and_scale_history(layer)
+    history, scale = layer.fp8_amax_history_input.clone(), layer.fp8_scale_input.clone()
+    x = torch.randn(M, K)
+    x[1, 1] = float("inf")
+    loss = layer(x).sum()
+    loss.backward()
+    assert not torch.isfinite(loss)  # the inf reaches the loss, as in bf16
+    with pytest.warns(UserWarning, match="non-finite amax in <root>:input"):
+        sync_float8_amax_and_scale_history(layer)
+    assert torch.equal(layer.fp8_amax_history_input, history)
+    assert torch.equal(layer.fp8_scale_input, scale)
+    assert torch.isfinite(layer.fp8_scale_input) and layer.fp8_scale_input > 0
+
+
+def test_static_scale_is_the_given_one():
+    config = Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="static", static_scale=4.0)
+    )
+    layer = Float8Linear(K, N, bias=False, config=config)
+    x = torch.randn(M, K)
+    with torch.no_grad():
+        out = layer(x)
+    x8 = (x * 4.0).clamp(-448, 448).to(E4M3).float() / 4.0
+    w8 = to_float8(layer.weight.detach(), E4M3).to_hp(torch.float32)
+    assert compute_error(x8 @ w8.t(), out) > 40
+
+
+def test_delayed_training_tracks_fp32():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(K, 128), nn.ReLU(), nn.Linear(128, N))
+    model = convert_to_float8_training(copy.deepcopy(reference), config=delayed_config())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, model)]
+    for _ in range(10):
+        x = torch.randn(M, K)
+        for module, optimizer in zip((reference, model), optimizers, strict=True):
+            module(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        sync_float8_amax_and_scale_history(model)
+    x = torch.randn(M, K)
+    assert compute_error(reference(x), model(x)) > 20
+
+
+def test_checkpoints_round_trip_and_load_both_ways():
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(K, N)), config=delayed_config())
+    model(torch.randn(M, K)).sum().backward()
+    sync_float8_amax_and_scale_history(model)
+    state = model.state_dict()
+    restored = convert_to_float8_training(nn.Sequential(nn.Linear(K, N)), config=delayed_config())
+    restored.load_state_dict(state)
+    for name, tensor in restored.state_dict().items():
+        assert torch.equal(tensor, state[name])
+    # The unconverted model's checkpoint loads strictly; the state starts uninitialized.
+    plain = nn.Sequential(nn.Linear(K, N))
+    fresh = convert_to_float8_training(nn.Sequential(nn.Linear(K, N)), config=delayed_config())
+    fresh.load_state_dict(plain.state_dict())
+    assert not fresh[0].fp8_initialized_input
+    # The other way: PyTorch names the extra keys; strip_float8_state removes them.
+    with pytest.raises(RuntimeError, match="fp8_amax_history_input"):
+        plain.load_state_dict(state)
+    plain.load_state_dict(strip_float8_state(state))
+    assert torch.equal(plain[0].weight, model[0].weight)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_delayed_scaling_has_one_graph_and_no_recompiles(backend):
+    torch._dynamo.reset()
+    model = convert_to_float8_training(
+        nn.Sequential(nn.Linear(K, 128), nn.ReLU(), nn.Linear(128, N)), config=delayed_config()
+    )
+    eager = copy.deepcopy(model)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for _ in range(3):
+        x = torch.randn(M, K)
+        for module, target in ((compiled, model), (eager, eager)):
+            module(x).square().sum().backward()
+            sync_float8_amax_and_scale_history(target)
+    assert counter.frame_count == 1
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+        if name.endswith(("history_input", "scale_input", "initialized_input")):
+            assert torch.equal(a, b), name
+    assert compute_error(eager[0].weight.grad, model[0].weight.grad) > 40
