@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from benchmarks.utils import markdown_table, median_time_s, print_environment, write_csv
-from fp8train import Float8Linear, Float8LinearConfig, Float8LinearRecipeName
+from fp8train import (
+    CastConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    Float8LinearRecipeName,
+    sync_float8_amax_and_scale_history,
+)
 
 try:
     import torchao.float8 as torchao_float8
@@ -48,11 +54,22 @@ def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):  # noqa: ANN
     return run
 
 
-def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device):  # noqa: ANN001, ANN201, PLR0913
+def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device, scaling="dynamic"):  # noqa: ANN001, ANN201, PLR0913
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
-    config = Float8LinearConfig.from_recipe_name(recipe, recompute_weight_cast=recompute)
-    layers = {"ref": ref, "fp8": Float8Linear.from_float(copy.deepcopy(ref), config)}
+    if scaling == "delayed":
+        delayed = CastConfig(scaling_type="delayed")
+        config = Float8LinearConfig(
+            cast_config_input=delayed,
+            cast_config_weight=delayed,
+            cast_config_grad_output=delayed,
+            recompute_weight_cast=recompute,
+        )
+        recipe = "tensorwise-delayed"
+    else:
+        config = Float8LinearConfig.from_recipe_name(recipe, recompute_weight_cast=recompute)
+    fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
+    layers = {"ref": ref, "fp8": fp8_layer}
     if torchao_float8 is not None and recipe in ("tensorwise", "rowwise"):
         ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
         layers["torchao"] = torchao_float8.convert_to_float8_training(
@@ -64,9 +81,20 @@ def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device): 
     x = torch.randn(m, k, device=device, dtype=ref_dtype, requires_grad=True)
     grad = torch.randn(m, n, device=device, dtype=ref_dtype)
     times: dict[str, list[float]] = {key: [] for key in layers}
+
+    def step(key: str, layer: nn.Module):  # noqa: ANN202
+        if key != "fp8" or scaling != "delayed":
+            return fwd_bwd(layer, x, grad)
+
+        def run() -> None:  # delayed scaling: the once-per-step sync belongs to the step
+            layer(x).backward(grad)
+            sync_float8_amax_and_scale_history(fp8_layer)
+
+        return run
+
     for _ in range(ROUNDS):
         for key, layer in layers.items():
-            times[key].append(median_time_s(fwd_bwd(layer, x, grad), device))
+            times[key].append(median_time_s(step(key, layer), device))
     t = {key: statistics.median(values) for key, values in times.items()}
     row = {
         "name": name,
@@ -135,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[r.value for r in Float8LinearRecipeName],
     )
     parser.add_argument(
+        "--scaling",
+        nargs="+",
+        default=["dynamic"],
+        choices=["dynamic", "delayed"],
+        help="delayed: tensorwise delayed scaling (the sync timed as part of the step)",
+    )
+    parser.add_argument(
         "--fp8-peak-tflops",
         type=float,
         default=None,
@@ -164,10 +199,13 @@ def main(args: argparse.Namespace) -> None:
 
     print_environment()
     print(f"- torchao.float8: {'importable' if torchao_float8 else 'not importable'}\n")
+    recipes = [(recipe, "dynamic") for recipe in args.recipes if "dynamic" in args.scaling]
+    if "delayed" in args.scaling:
+        recipes.append(("tensorwise", "delayed"))
     rows = [
-        bench_shape(name, m, k, n, dtypes[ref], c, r, recipe, args.device)
-        for (name, (m, k, n)), ref, c, r, recipe in itertools.product(
-            shapes.items(), ref_names, compiled, recompute, args.recipes
+        bench_shape(name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling)
+        for (name, (m, k, n)), ref, c, r, (recipe, scaling) in itertools.product(
+            shapes.items(), ref_names, compiled, recompute, recipes
         )
     ]
     add_peak(rows, peak)

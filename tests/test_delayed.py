@@ -201,3 +201,17 @@ def test_compiled_delayed_scaling_has_one_graph_and_no_recompiles(backend):
         if name.endswith(("history_input", "scale_input", "initialized_input")):
             assert torch.equal(a, b), name
     assert compute_error(eager[0].weight.grad, model[0].weight.grad) > 40
+
+
+def test_sync_compiles_fullgraph():
+    model = convert_to_float8_training(
+        nn.Sequential(nn.Linear(K, K), nn.Linear(K, N)), config=delayed_config()
+    )
+    sync = torch.compile(sync_float8_amax_and_scale_history, fullgraph=True, backend="aot_eager")
+    amaxes = []
+    for _ in range(3):
+        x = torch.randn(M, K)
+        amaxes.append(x.abs().max())
+        model(x).sum().backward()
+        sync(model)
+    assert torch.equal(model[0].fp8_amax_history_input[:3], torch.stack(amaxes[::-1]))
