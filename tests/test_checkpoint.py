@@ -1,20 +1,38 @@
 """Checkpoints of float8 training: stopping and resuming mid-run (model, optimizer, RNG) gives
-bitwise the losses of an uninterrupted run. Dynamic scaling keeps no float8 state of its own:
-the scales are recomputed from the data at every step, so the model's state_dict is all of it."""
+bitwise the losses of an uninterrupted run. Dynamic scaling keeps no float8 state of its own;
+delayed scaling's amax histories and scales are buffers, so the model's state_dict holds them."""
 
+import pytest
 import torch
 
-from fp8train import Float8Linear, convert_to_float8_training
+from fp8train import (
+    CastConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    convert_to_float8_training,
+    sync_float8_amax_and_scale_history,
+)
 from fp8train.models import ModelArgs, Transformer
 
 ARGS = ModelArgs(dim=32, n_layers=1, n_heads=4, ffn_dim=96, max_seq_len=16)
 STEPS, STOP = 8, 3
 
 
-def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+DELAYED = CastConfig(scaling_type="delayed")
+CONFIGS = {
+    "dynamic": Float8LinearConfig(),
+    "delayed": Float8LinearConfig(
+        cast_config_input=DELAYED, cast_config_weight=DELAYED, cast_config_grad_output=DELAYED
+    ),
+}
+
+
+def build(seed: int, scaling: str = "dynamic") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = convert_to_float8_training(
-        Transformer(ARGS), module_filter_fn=lambda module, fqn: fqn != "lm_head"
+        Transformer(ARGS),
+        config=CONFIGS[scaling],
+        module_filter_fn=lambda module, fqn: fqn != "lm_head",
     )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -27,18 +45,20 @@ def train(model, optimizer, generator, steps: int) -> list[float]:  # noqa: ANN0
         logits = model(tokens[:, :-1]) + 1e-3 * torch.randn(2, 16, ARGS.vocab_size)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
+        sync_float8_amax_and_scale_history(model)  # a no-op for dynamic scaling
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
 
 
-def test_resume_gives_bitwise_identical_losses(tmp_path):
-    model, optimizer = build(seed=0)
+@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+def test_resume_gives_bitwise_identical_losses(tmp_path, scaling):
+    model, optimizer = build(seed=0, scaling=scaling)
     torch.manual_seed(1)
     uninterrupted = train(model, optimizer, torch.Generator().manual_seed(2), STEPS)
 
-    model, optimizer = build(seed=0)
+    model, optimizer = build(seed=0, scaling=scaling)
     torch.manual_seed(1)
     generator = torch.Generator().manual_seed(2)
     first = train(model, optimizer, generator, STOP)
@@ -53,7 +73,7 @@ def test_resume_gives_bitwise_identical_losses(tmp_path):
     )
     del model, optimizer
 
-    resumed, optimizer = build(seed=123)  # different weights until the checkpoint loads
+    resumed, optimizer = build(seed=123, scaling=scaling)  # other weights until the load
     state = torch.load(tmp_path / "checkpoint.pt")
     resumed.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
