@@ -23,7 +23,13 @@ import statistics
 import torch
 from torch import nn
 
-from benchmarks.utils import markdown_table, median_time_s, print_environment, write_csv
+from benchmarks.utils import (
+    fp8_peak_tflops,
+    markdown_table,
+    median_time_s,
+    print_environment,
+    write_csv,
+)
 from fp8train import (
     CastConfig,
     Float8Linear,
@@ -190,10 +196,7 @@ def main(args: argparse.Namespace) -> None:
         shapes = {f"sweep{k}x{n}": (16384, k, n) for k, n in itertools.product(sizes, sizes)}
     else:
         shapes = LLAMA_70B_SHAPES
-    peak = args.fp8_peak_tflops
-    if peak is None and args.device == "cuda":
-        name = torch.cuda.get_device_name()
-        peak = 1979.0 if ("H100" in name or "H200" in name) else None
+    peak = fp8_peak_tflops(args.device, args.fp8_peak_tflops)
     compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     recompute = {"on": [True], "off": [False], "both": [True, False]}[args.recompute]
 

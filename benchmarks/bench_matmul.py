@@ -19,7 +19,13 @@ import statistics
 import torch
 
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
-from benchmarks.utils import markdown_table, median_time_s, print_environment, write_csv
+from benchmarks.utils import (
+    fp8_peak_tflops,
+    markdown_table,
+    median_time_s,
+    print_environment,
+    write_csv,
+)
 from fp8train import to_float8
 from fp8train.config import E4M3, E5M2
 
@@ -61,10 +67,7 @@ def main() -> None:
         if args.shape
         else LLAMA_70B_SHAPES
     )
-    peak = args.fp8_peak_tflops
-    if peak is None and args.device == "cuda":
-        name = torch.cuda.get_device_name()
-        peak = 1979.0 if ("H100" in name or "H200" in name) else None
+    peak = fp8_peak_tflops(args.device, args.fp8_peak_tflops)
     print_environment()
     rows = []
     for name, (m, k, n) in shapes.items():

@@ -73,3 +73,12 @@ def median_time_s(fn, device: torch.device | str, *, warmup: int = 3) -> float: 
     for _ in range(warmup):
         fn()
     return Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median
+
+
+def fp8_peak_tflops(device: torch.device | str, given: float | None = None) -> float | None:
+    """The dense float8 peak for '% of peak' columns: `given`, else 1979 TFLOP/s on H100/H200
+    (the vendor's dense figure), else None (the column is left empty)."""
+    if given is not None or torch.device(device).type != "cuda":
+        return given
+    name = torch.cuda.get_device_name()
+    return 1979.0 if ("H100" in name or "H200" in name) else None

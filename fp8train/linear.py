@@ -142,36 +142,29 @@ def check_float8_compatible(module: nn.Linear, config: Float8LinearConfig, fqn: 
             "out with module_filter_fn"
         )
     if uses_blockwise(config):
-        bad = [
-            f"{dim}={size}"
-            for dim, size in (
-                ("in_features", module.in_features),
-                ("out_features", module.out_features),
-            )
-            if size % BLOCK
-        ]
+        bad = _dims_not_multiple_of(module, BLOCK)
         if bad:
             raise ValueError(
-                f"{name}: {' and '.join(bad)} not a multiple of {BLOCK}, which blockwise scaling "
+                f"{name}: {bad} not a multiple of {BLOCK}, which blockwise scaling "
                 f"needs ({BLOCK} x {BLOCK} weight blocks): leave this layer out with "
                 "module_filter_fn, or use the rowwise recipe"
             )
     if config.emulate or config.pad_inner_dim:
         return
-    bad = [
-        f"{dim}={size}"
-        for dim, size in (
-            ("in_features", module.in_features),
-            ("out_features", module.out_features),
-        )
-        if size % ALIGNMENT
-    ]
+    bad = _dims_not_multiple_of(module, ALIGNMENT)
     if bad:
         raise ValueError(
-            f"{name}: {' and '.join(bad)} not a multiple of {ALIGNMENT}, which float8 gemms "
+            f"{name}: {bad} not a multiple of {ALIGNMENT}, which float8 gemms "
             "need: set pad_inner_dim=True in Float8LinearConfig, or leave this layer out with "
             "module_filter_fn"
         )
+
+
+def _dims_not_multiple_of(module: nn.Linear, multiple: int) -> str:
+    """'in_features=100 and out_features=30' for the dims of `module` that `multiple` does not
+    divide; '' when it divides both."""
+    dims = (("in_features", module.in_features), ("out_features", module.out_features))
+    return " and ".join(f"{dim}={size}" for dim, size in dims if size % multiple)
 
 
 def describe_config(config: Float8LinearConfig) -> str:

@@ -245,15 +245,8 @@ class _Float8Matmul(torch.autograd.Function):
 
         grad_output_for_grad_input = None
         if ctx.needs_input_grad[0]:
-            grad_output_for_grad_input = cast_for_gemm(
-                grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT, config, grad_output_scale
-            )
-            observe_cast(
-                ctx.observer,
-                Role.GRAD_OUTPUT,
-                Gemm.GRAD_INPUT,
-                grad_output,
-                grad_output_for_grad_input,
+            grad_output_for_grad_input = _cast_grad_output(
+                ctx, grad_output, Gemm.GRAD_INPUT, grad_output_scale
             )
             weight_for_grad_input = _recast(
                 weight_saved, Role.WEIGHT, Gemm.GRAD_INPUT, config, ctx.observer,
@@ -283,15 +276,8 @@ class _Float8Matmul(torch.autograd.Function):
             elif same_cast and grad_output_for_grad_input is not None:
                 grad_output_for_grad_weight = grad_output_for_grad_input
             else:
-                grad_output_for_grad_weight = cast_for_gemm(
-                    grad_output, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, config, grad_output_scale
-                )
-                observe_cast(
-                    ctx.observer,
-                    Role.GRAD_OUTPUT,
-                    Gemm.GRAD_WEIGHT,
-                    grad_output,
-                    grad_output_for_grad_weight,
+                grad_output_for_grad_weight = _cast_grad_output(
+                    ctx, grad_output, Gemm.GRAD_WEIGHT, grad_output_scale
                 )
             input_for_grad_weight = _recast(
                 input_saved, Role.INPUT, Gemm.GRAD_WEIGHT, config, ctx.observer,
@@ -336,6 +322,18 @@ def linear_mm(
         state.get(Role.GRAD_OUTPUT),
     )
     return output.reshape(*input.shape[:-1], output.shape[-1])
+
+
+def _cast_grad_output(
+    ctx,
+    grad_output: torch.Tensor,
+    gemm: Gemm,
+    scale: torch.Tensor | None,  # noqa: ANN001
+) -> torch.Tensor:
+    """grad_output as `gemm` needs it, shown to the stats observer."""
+    fp8 = cast_for_gemm(grad_output, Role.GRAD_OUTPUT, gemm, ctx.config, scale)
+    observe_cast(ctx.observer, Role.GRAD_OUTPUT, gemm, grad_output, fp8)
+    return fp8
 
 
 def _stateful_scale_of(

@@ -2,13 +2,9 @@
 moves 1 byte per weight element."""
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from fp8train import Float8LinearConfig, convert_to_float8_training
@@ -16,69 +12,52 @@ from fp8train.distributed import (
     WeightWithFloat8CastTensor,
     precompute_float8_dynamic_scale_for_fsdp,
 )
+from tests.distributed import WORLD_SIZE, spawn
 
-WORLD_SIZE = 2
 STEPS = 5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str, mode: str, reshard_after_forward: bool) -> None:
+def _worker(rank: int, out_dir: str, mode: str, reshard_after_forward: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(
-            nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48, bias=False)
-        )
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=mode != "hp-all-gather")
-        convert_to_float8_training(model, config=config)
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48, bias=False))
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=mode != "hp-all-gather")
+    convert_to_float8_training(model, config=config)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-        gathered = []
-        original = WeightWithFloat8CastTensor.fsdp_pre_all_gather
+    gathered = []
+    original = WeightWithFloat8CastTensor.fsdp_pre_all_gather
 
-        # The same parameters as the hook: FSDP reads its signature.
-        def counting(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ANN001, ANN202
-            inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
-            gathered.extend((t.dtype, t.numel(), t.element_size()) for t in inputs)
-            return inputs, metadata
+    # The same parameters as the hook: FSDP reads its signature.
+    def counting(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ANN001, ANN202
+        inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
+        gathered.extend((t.dtype, t.numel(), t.element_size()) for t in inputs)
+        return inputs, metadata
 
-        WeightWithFloat8CastTensor.fsdp_pre_all_gather = counting
-        torch.manual_seed(1 + rank)  # each rank its own data
-        losses = []
-        for _ in range(STEPS):
-            loss = model(torch.randn(32, 64)).square().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if mode == "float8-all-gather-precomputed":
-                precompute_float8_dynamic_scale_for_fsdp(model)
-            losses.append(loss.detach())
-        torch.save({"losses": torch.stack(losses), "gathered": gathered}, f"{out_dir}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    WeightWithFloat8CastTensor.fsdp_pre_all_gather = counting
+    torch.manual_seed(1 + rank)  # each rank its own data
+    losses = []
+    for _ in range(STEPS):
+        loss = model(torch.randn(32, 64)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if mode == "float8-all-gather-precomputed":
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        losses.append(loss.detach())
+    torch.save({"losses": torch.stack(losses), "gathered": gathered}, f"{out_dir}/{rank}.pt")
 
 
 def run_fsdp(tmp_path, mode: str, reshard_after_forward: bool = True) -> list[dict]:  # noqa: ANN001
     out_dir = tmp_path / mode
     out_dir.mkdir()
-    mp.spawn(
-        _worker,
-        args=(_free_port(), str(out_dir), mode, reshard_after_forward),
-        nprocs=WORLD_SIZE,
-    )
+    spawn(_worker, str(out_dir), mode, reshard_after_forward)
     return [torch.load(out_dir / f"{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
@@ -133,7 +112,7 @@ def test_wrapped_weight_without_fsdp_trains_like_a_plain_one():
     assert models[1].state_dict().keys() == models[0].state_dict().keys()
 
 
-def _dcp_worker(rank: int, port: int, out_dir: str) -> None:
+def _dcp_worker(rank: int, out_dir: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -144,58 +123,53 @@ def _dcp_worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
 
-        def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-            torch.manual_seed(seed)
-            model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 48))
-            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-            convert_to_float8_training(model, config=config)
-            fully_shard(model, mesh=mesh)
-            return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 48))
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=config)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
-        def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-            loss = model(torch.randn(32, 64)).square().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss.detach()
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        loss = model(torch.randn(32, 64)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
 
-        model, optimizer = build(0)
-        torch.manual_seed(1 + rank)
-        step(model, optimizer)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"{out_dir}/ckpt")
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        if rank == 0:
-            torch.save(full, f"{out_dir}/full_expected.pt")
-        expected = step(model, optimizer)
+    model, optimizer = build(0)
+    torch.manual_seed(1 + rank)
+    step(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"{out_dir}/ckpt")
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        torch.save(full, f"{out_dir}/full_expected.pt")
+    expected = step(model, optimizer)
 
-        restored, restored_optimizer = build(123)
-        model_state, optim_state = get_state_dict(restored, restored_optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=f"{out_dir}/ckpt")
-        set_state_dict(
-            restored,
-            restored_optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-        torch.manual_seed(1 + rank)
-        torch.randn(32, 64)  # the batch the first step used
-        torch.save({"expected": expected, "resumed": step(restored, restored_optimizer)},
-                   f"{out_dir}/{rank}.pt")  # fmt: skip
-    finally:
-        dist.destroy_process_group()
+    restored, restored_optimizer = build(123)
+    model_state, optim_state = get_state_dict(restored, restored_optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=f"{out_dir}/ckpt")
+    set_state_dict(
+        restored,
+        restored_optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
+    torch.manual_seed(1 + rank)
+    torch.randn(32, 64)  # the batch the first step used
+    torch.save({"expected": expected, "resumed": step(restored, restored_optimizer)},
+               f"{out_dir}/{rank}.pt")  # fmt: skip
 
 
 def test_distributed_checkpoint_round_trip_and_reshard_to_one_process(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    mp.spawn(_dcp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE)
+    spawn(_dcp_worker, str(tmp_path))
     for rank in range(WORLD_SIZE):
         result = torch.load(tmp_path / f"{rank}.pt")
         assert torch.equal(result["expected"], result["resumed"])
@@ -210,82 +184,66 @@ def test_distributed_checkpoint_round_trip_and_reshard_to_one_process(tmp_path):
         assert torch.equal(tensor, expected[name])
 
 
-def _fsdp1_worker(rank: int, port: int, out_dir: str) -> None:
+def _fsdp1_worker(rank: int, out_dir: str) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(
-            nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48, bias=False)
-        )
-        convert_to_float8_training(model)
-        single = copy.deepcopy(model)
-        sharded = FullyShardedDataParallel(
-            model, use_orig_params=True, device_id=torch.device("cpu")
-        )
-        losses = []
-        for module in (sharded, single):
-            optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-            run = []
-            for step in range(STEPS):
-                torch.manual_seed(10 + step)  # the same batch on every rank: one process's run
-                loss = module(torch.randn(32, 64)).square().mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                run.append(loss.detach())
-            losses.append(torch.stack(run))
-        torch.save({"fsdp1": losses[0], "single": losses[1]}, f"{out_dir}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48, bias=False))
+    convert_to_float8_training(model)
+    single = copy.deepcopy(model)
+    sharded = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+    losses = []
+    for module in (sharded, single):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        run = []
+        for step in range(STEPS):
+            torch.manual_seed(10 + step)  # the same batch on every rank: one process's run
+            loss = module(torch.randn(32, 64)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.append(loss.detach())
+        losses.append(torch.stack(run))
+    torch.save({"fsdp1": losses[0], "single": losses[1]}, f"{out_dir}/{rank}.pt")
 
 
 def test_fsdp1_with_orig_params_matches_one_process(tmp_path):
-    mp.spawn(_fsdp1_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE)
+    spawn(_fsdp1_worker, str(tmp_path))
     for rank in range(WORLD_SIZE):
         result = torch.load(tmp_path / f"{rank}.pt")
         torch.testing.assert_close(result["fsdp1"], result["single"])
 
 
-def _delayed_worker(rank: int, port: int, out_dir: str) -> None:
+def _delayed_worker(rank: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from fp8train import CastConfig, sync_float8_amax_and_scale_history
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48))
-        delayed = CastConfig(scaling_type="delayed")
-        config = Float8LinearConfig(
-            cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
-        )
-        convert_to_float8_training(model, config=config)
-        fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(1 + rank)  # each rank its own data, so its own local amaxes
-        local_input_amax = []
-        for _ in range(3):
-            x = torch.randn(32, 64) * (1 + rank)
-            local_input_amax.append(x.abs().max())
-            model(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            sync_float8_amax_and_scale_history(model)
-        buffers = {name: b.clone() for name, b in model.named_buffers() if "fp8_" in name}
-        torch.save(
-            {"buffers": buffers, "local": torch.stack(local_input_amax)}, f"{out_dir}/{rank}.pt"
-        )
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48))
+    delayed = CastConfig(scaling_type="delayed")
+    config = Float8LinearConfig(
+        cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+    )
+    convert_to_float8_training(model, config=config)
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1 + rank)  # each rank its own data, so its own local amaxes
+    local_input_amax = []
+    for _ in range(3):
+        x = torch.randn(32, 64) * (1 + rank)
+        local_input_amax.append(x.abs().max())
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync_float8_amax_and_scale_history(model)
+    buffers = {name: b.clone() for name, b in model.named_buffers() if "fp8_" in name}
+    torch.save({"buffers": buffers, "local": torch.stack(local_input_amax)}, f"{out_dir}/{rank}.pt")
 
 
 def test_delayed_scaling_under_fsdp2_syncs_one_global_amax(tmp_path):
-    mp.spawn(_delayed_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE)
+    spawn(_delayed_worker, str(tmp_path))
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(WORLD_SIZE)]
     for name, tensor in results[0]["buffers"].items():
         assert torch.equal(tensor, results[1]["buffers"][name]), name

@@ -3,27 +3,17 @@ RowwiseParallel compose with Float8Linear, with the same float8 scales as one pr
 of DTensors are global), so results match single-process float8 to fp32 rounding."""
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from fp8train import Float8Linear, compute_error, convert_to_float8_training
-
-WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.distributed import WORLD_SIZE, spawn
 
 
-def _worker(rank: int, port: int, out_dir: str, sequence_parallel: bool) -> None:
+def _worker(rank: int, out_dir: str, sequence_parallel: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -32,53 +22,46 @@ def _worker(rank: int, port: int, out_dir: str, sequence_parallel: bool) -> None
         parallelize_module,
     )
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(
-            nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 64, bias=False)
-        )
-        convert_to_float8_training(model)
-        single = copy.deepcopy(model)
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        if sequence_parallel:
-            # Tokens sharded outside the MLP: all-gathered before the first layer,
-            # reduce-scattered after the second.
-            plan = {
-                "0": ColwiseParallel(input_layouts=Shard(0)),
-                "2": RowwiseParallel(output_layouts=Shard(0)),
-            }
-        else:
-            plan = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Replicate())}
-        parallelize_module(model, mesh, plan)
-        torch.manual_seed(1)
-        x, grad = torch.randn(32, 64), torch.randn(32, 64)
-        if sequence_parallel:
-            shard = slice(rank * 16, (rank + 1) * 16)
-            local = model(x[shard])
-            local.backward(grad[shard])
-            out = torch.empty(32, 64)
-            dist.all_gather_into_tensor(out, local.detach().contiguous())
-        else:
-            out = model(x)
-            out.backward(grad)
-        expected = single(x)
-        expected.backward(grad)
-        result = {
-            "output": compute_error(expected, out).item(),
-            "grad_up": compute_error(single[0].weight.grad, model[0].weight.grad.full_tensor()),
-            "grad_down": compute_error(single[2].weight.grad, model[2].weight.grad.full_tensor()),
-            "float8": isinstance(model[0], Float8Linear) and isinstance(model[2], Float8Linear),
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 64, bias=False))
+    convert_to_float8_training(model)
+    single = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    if sequence_parallel:
+        # Tokens sharded outside the MLP: all-gathered before the first layer,
+        # reduce-scattered after the second.
+        plan = {
+            "0": ColwiseParallel(input_layouts=Shard(0)),
+            "2": RowwiseParallel(output_layouts=Shard(0)),
         }
-        torch.save(result, f"{out_dir}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    else:
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh, plan)
+    torch.manual_seed(1)
+    x, grad = torch.randn(32, 64), torch.randn(32, 64)
+    if sequence_parallel:
+        shard = slice(rank * 16, (rank + 1) * 16)
+        local = model(x[shard])
+        local.backward(grad[shard])
+        out = torch.empty(32, 64)
+        dist.all_gather_into_tensor(out, local.detach().contiguous())
+    else:
+        out = model(x)
+        out.backward(grad)
+    expected = single(x)
+    expected.backward(grad)
+    result = {
+        "output": compute_error(expected, out).item(),
+        "grad_up": compute_error(single[0].weight.grad, model[0].weight.grad.full_tensor()),
+        "grad_down": compute_error(single[2].weight.grad, model[2].weight.grad.full_tensor()),
+        "float8": isinstance(model[0], Float8Linear) and isinstance(model[2], Float8Linear),
+    }
+    torch.save(result, f"{out_dir}/{rank}.pt")
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_tensor_parallel_matches_one_process(tmp_path, sequence_parallel):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), sequence_parallel), nprocs=WORLD_SIZE)
+    spawn(_worker, str(tmp_path), sequence_parallel)
     for rank in range(WORLD_SIZE):
         result = torch.load(tmp_path / f"{rank}.pt")
         assert result["float8"]
