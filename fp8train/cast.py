@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fp8train.config import BLOCK, CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
-from fp8train.kernels import HAS_TRITON, empty_2d, quantize_2d
+from fp8train.kernels import HAS_TRITON, cast_2d, empty_2d
 from fp8train.scaling import amax, amax_to_scale, blocks
 from fp8train.tensor import Float8Tensor
 
@@ -49,12 +49,16 @@ def to_float8(
     """Cast `hp` to float8 with a dynamic scale from its amax (reduced along `reduce_dim`
     for rowwise, per `block` for blockwise); `column_major` lays a 2-D result out
     column-major."""
-    scale = amax_to_scale(
-        amax(hp, granularity, reduce_dim, block),
+    (fp8,) = cast_layouts(
+        hp,
         float8_dtype,
-        round_to_power_of_2=round_scales_to_power_of_2,
+        granularity,
+        (column_major,),
+        reduce_dim=reduce_dim,
+        block=block,
+        round_scales_to_power_of_2=round_scales_to_power_of_2,
     )
-    return quantize(hp, scale, float8_dtype, granularity, column_major=column_major)
+    return fp8
 
 
 def quantize(
@@ -66,22 +70,74 @@ def quantize(
     column_major: bool = False,
 ) -> Float8Tensor:
     """`saturate(hp * scale)` in float8, with a given scale."""
+    (fp8,) = cast_layouts(hp, float8_dtype, granularity, (column_major,), scale=scale)
+    return fp8
+
+
+def eager_kernel(hp: torch.Tensor) -> bool:
+    """True where the Triton kernels run: eager CUDA, 2-D. Compiled code keeps the torch path,
+    which inductor fuses with the amax and with whatever produced hp."""
+    return hp.is_cuda and hp.dim() == 2 and HAS_TRITON and not torch.compiler.is_compiling()
+
+
+def cast_layouts(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    granularity: ScalingGranularity,
+    layouts: tuple[bool, ...],
+    *,
+    reduce_dim: int | None = None,
+    block: tuple[int, int] | None = None,
+    round_scales_to_power_of_2: bool = False,
+    scale: torch.Tensor | None = None,
+    record_amax: torch.Tensor | None = None,
+) -> list[Float8Tensor]:
+    """One cast of `hp` (one scale), as one Float8Tensor per entry of `layouts` (True:
+    column-major). `scale`: given (delayed, static) instead of found from the amax;
+    `record_amax`: a 0-d fp32 buffer raised to max |hp| (delayed scaling's next amax), in
+    the cast's own pass where the kernel runs."""
+    if granularity is not ScalingGranularity.BLOCKWISE and eager_kernel(hp):
+        row, col = False in layouts, True in layouts
+        if scale is None and granularity is ScalingGranularity.TENSORWISE:
+            hp_amax = amax(hp, granularity, None)
+            scale, *data = torch.ops.fp8train.cast_from_amax(
+                hp, hp_amax, float8_dtype, round_scales_to_power_of_2, row, col
+            )
+        else:
+            if scale is None:
+                scale = amax_to_scale(
+                    amax(hp, granularity, reduce_dim),
+                    float8_dtype,
+                    round_to_power_of_2=round_scales_to_power_of_2,
+                )
+            data = torch.ops.fp8train.saturated_cast(hp, scale, float8_dtype, row, col, record_amax)
+        return [Float8Tensor(data[int(cm)], scale, hp.dtype, granularity) for cm in layouts]
+    if record_amax is not None:
+        with torch.no_grad():
+            hp_amax = amax(hp, ScalingGranularity.TENSORWISE, None)
+            record_amax.copy_(torch.maximum(record_amax, hp_amax))
+    if scale is None:
+        scale = amax_to_scale(
+            amax(hp, granularity, reduce_dim, block),
+            float8_dtype,
+            round_to_power_of_2=round_scales_to_power_of_2,
+        )
     if granularity is ScalingGranularity.BLOCKWISE:
         data = _blockwise_saturated_cast(hp, scale, float8_dtype)
-        data = _column_major(data) if column_major else data
-        return Float8Tensor(data, scale, hp.dtype, granularity)
-    if hp.is_cuda and hp.dim() == 2 and HAS_TRITON and not torch.compiler.is_compiling():
-        # Eager CUDA: one pass, no fp32 temporaries. Compiled: the torch path, which inductor
-        # fuses with the amax and with whatever produced hp.
-        data = torch.ops.fp8train.saturated_cast(hp, scale, float8_dtype, column_major)
     else:
-        data = _saturated_cast(hp, scale, float8_dtype, column_major)
-    return Float8Tensor(data, scale, hp.dtype, granularity)
+        data = _saturated_cast(hp, scale, float8_dtype)
+    first = data
+    casts = []
+    for column_major in layouts:
+        data = _column_major(first) if column_major and first.dim() == 2 else first
+        casts.append(Float8Tensor(data, scale, hp.dtype, granularity))
+    return casts
 
 
 def _saturated_cast(
     hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool = False
 ) -> torch.Tensor:
+    """The torch path of every non-blockwise cast (and the reference of the kernels)."""
     fp8_max = torch.finfo(float8_dtype).max
     # Saturate before the cast: float8_e4m3fn has no inf, an overflow would become NaN.
     data = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(float8_dtype)
@@ -110,24 +166,91 @@ def with_layout(fp8: Float8Tensor, role: Role, gemm: Gemm) -> Float8Tensor:
     return Float8Tensor(data, fp8._scale, fp8._orig_dtype, fp8._granularity)
 
 
-@torch.library.custom_op("fp8train::saturated_cast", mutates_args=())
+def _layouts_of(data: torch.Tensor, row_major: bool, column_major: bool) -> tuple:
+    """(row-major, column-major) copies of `data`; an empty tensor for a layout not asked
+    for (an op's outputs are fixed in number)."""
+    return (
+        data.contiguous() if row_major else _absent(data),
+        _column_major(data) if column_major else _absent(data),
+    )
+
+
+def _absent(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty((0,), dtype=dtype or like.dtype, device=like.device)
+
+
+def _fake_layouts(hp: torch.Tensor, dtype: torch.dtype, row: bool, col: bool) -> tuple:
+    if hp.dim() != 2:
+        shaped = (torch.empty_like(hp, dtype=dtype) for _ in range(2))
+        return tuple(
+            t if asked else _absent(hp, dtype) for t, asked in zip(shaped, (row, col), strict=True)
+        )
+    return tuple(
+        empty_2d(*hp.shape, dtype, hp.device, cm) if asked else _absent(hp, dtype)
+        for cm, asked in ((False, row), (True, col))
+    )
+
+
+@torch.library.custom_op("fp8train::saturated_cast", mutates_args=("record_amax",))
 def _saturated_cast_op(
-    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool
-) -> torch.Tensor:
-    """The float8 bytes of saturate(hp * scale): the Triton kernel where it runs (2-D, CUDA),
-    else the torch path. An op of its own so that a traced graph holds it as one node."""
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    float8_dtype: torch.dtype,
+    row_major: bool,
+    column_major: bool,
+    record_amax: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float8 bytes of saturate(hp * scale), (row-major, column-major), each empty unless
+    asked for; `record_amax` raised to max |hp| if given. The Triton kernel where it runs (2-D,
+    CUDA), else the torch path. An op of its own so that a traced graph holds it as one node."""
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
-        return quantize_2d(hp, scale, float8_dtype, column_major)
-    return _saturated_cast(hp, scale, float8_dtype, column_major)
+        _, row, col = cast_2d(
+            hp, scale, float8_dtype, row_major=row_major, column_major=column_major,
+            record_amax=record_amax,
+        )  # fmt: skip
+        absent = _absent(hp, float8_dtype)
+        return (absent if row is None else row), (absent if col is None else col)
+    if record_amax is not None:
+        hp_amax = amax(hp, ScalingGranularity.TENSORWISE, None)
+        record_amax.copy_(torch.maximum(record_amax, hp_amax))
+    return _layouts_of(_saturated_cast(hp, scale, float8_dtype), row_major, column_major)
 
 
 @_saturated_cast_op.register_fake
-def _(
-    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool
-) -> torch.Tensor:
-    if hp.dim() != 2:
-        return torch.empty_like(hp, dtype=float8_dtype)
-    return empty_2d(*hp.shape, float8_dtype, hp.device, column_major)
+def _(hp, scale, float8_dtype, row_major, column_major, record_amax):  # noqa: ANN001, ANN202
+    return _fake_layouts(hp, float8_dtype, row_major, column_major)
+
+
+@torch.library.custom_op("fp8train::cast_from_amax", mutates_args=())
+def _cast_from_amax_op(
+    hp: torch.Tensor,
+    hp_amax: torch.Tensor,
+    float8_dtype: torch.dtype,
+    round_to_power_of_2: bool,
+    row_major: bool,
+    column_major: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dynamic tensorwise cast from the amax of hp: (scale, row-major, column-major), a
+    layout empty unless asked for. On CUDA the scale is computed inside the cast kernel, bit
+    for bit as amax_to_scale computes it."""
+    if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
+        scale, row, col = cast_2d(
+            hp, hp_amax, float8_dtype, row_major=row_major, column_major=column_major,
+            scale_from_amax=True, round_to_power_of_2=round_to_power_of_2,
+        )  # fmt: skip
+        absent = _absent(hp, float8_dtype)
+        return scale, (absent if row is None else row), (absent if col is None else col)
+    scale = amax_to_scale(hp_amax, float8_dtype, round_to_power_of_2=round_to_power_of_2)
+    data = _saturated_cast(hp, scale, float8_dtype)
+    return (scale, *_layouts_of(data, row_major, column_major))
+
+
+@_cast_from_amax_op.register_fake
+def _(hp, hp_amax, float8_dtype, round_to_power_of_2, row_major, column_major):  # noqa: ANN001, ANN202
+    return (
+        torch.empty((), device=hp.device),
+        *_fake_layouts(hp, float8_dtype, row_major, column_major),
+    )
 
 
 def cast_key(config: Float8LinearConfig, role: Role, gemm: Gemm) -> tuple | None:
@@ -157,26 +280,41 @@ def cast_for_gemm(
     gemm: Gemm,
     config: Float8LinearConfig,
     scale: torch.Tensor | None = None,
+    record_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`hp` (2-D, in its role's shape) as the `gemm` needs it: a Float8Tensor, or `hp`
     itself when that gemm runs in high precision. `scale`: the scale of a delayed or static
-    cast (fp8train.delayed); dynamic casts take theirs from the amax of `hp`."""
-    cast: CastConfig = config.cast_config(role, gemm)
+    cast (fp8train.delayed), with `record_amax` the buffer a one-pass delayed cast records its
+    amax into; dynamic casts take their scale from the amax of `hp`."""
+    return cast_for_gemms(hp, role, (gemm,), config, scale, record_amax)[0]
+
+
+def cast_for_gemms(
+    hp: torch.Tensor,
+    role: Role,
+    gemms: tuple[Gemm, ...],
+    config: Float8LinearConfig,
+    scale: torch.Tensor | None = None,
+    record_amax: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """One cast of `hp` for several gemms that share it (the same `cast_key`), each in the
+    layout its gemm needs: on CUDA the kernel writes every layout from one read of `hp`."""
+    cast: CastConfig = config.cast_config(role, gemms[0])
     if not cast.enabled:
-        return hp
-    column_major = hp.dim() == 2 and _COLUMN_MAJOR[(role, gemm)]
-    if scale is not None:
-        return quantize(hp, scale, cast.target_dtype, column_major=column_major)
-    rowwise = cast.scaling_granularity is ScalingGranularity.ROWWISE
-    blockwise = cast.scaling_granularity is ScalingGranularity.BLOCKWISE
-    return to_float8(
+        return [hp for _ in gemms]
+    granularity = cast.scaling_granularity
+    return cast_layouts(
         hp,
         cast.target_dtype,
-        cast.scaling_granularity,
-        reduce_dim=_INNER_DIM[(role, gemm)] if rowwise else None,
-        block=block_shape(role, gemm) if blockwise else None,
+        granularity,
+        tuple(hp.dim() == 2 and _COLUMN_MAJOR[(role, gemm)] for gemm in gemms),
+        reduce_dim=_INNER_DIM[(role, gemms[0])]
+        if granularity is ScalingGranularity.ROWWISE
+        else None,
+        block=block_shape(role, gemms[0]) if granularity is ScalingGranularity.BLOCKWISE else None,
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
-        column_major=column_major,
+        scale=scale,
+        record_amax=record_amax,
     )
 
 

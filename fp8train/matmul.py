@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fp8train.cast import cast_for_gemm, cast_key, with_layout
+from fp8train.cast import cast_for_gemm, cast_for_gemms, cast_key
 from fp8train.config import BLOCK, Float8LinearConfig, Gemm, Role, ScalingGranularity, ScalingType
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.policy import Observer, forward_operands, kept_for_backward, observe_cast
@@ -236,18 +236,28 @@ class _Float8Matmul(torch.autograd.Function):
         input_recast_scale, weight_recast_scale = saved[n_input + n_weight :]
         grad_input = grad_weight = None
         # One scale for both of grad_output's casts (delayed or static; None: dynamic).
-        grad_output_scale = stateful_scale(
+        go_scale, go_record_amax = stateful_scale(
             grad_output,
             config.cast_config(Role.GRAD_OUTPUT, Gemm.GRAD_INPUT),
             ctx.grad_output_state,
             config.round_scales_to_power_of_2,
         )
-
-        grad_output_for_grad_input = None
-        if ctx.needs_input_grad[0]:
-            grad_output_for_grad_input = _cast_grad_output(
-                ctx, grad_output, Gemm.GRAD_INPUT, grad_output_scale
+        need_grad_input, need_grad_weight = ctx.needs_input_grad[:2]
+        same_cast = cast_key(config, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT) == cast_key(
+            config, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT
+        )
+        grad_output_for_grad_input = grad_output_for_grad_weight = None
+        if need_grad_input and need_grad_weight and same_cast:
+            # One cast in both gemms' layouts: on CUDA one read of grad_output writes both.
+            grad_output_for_grad_input, grad_output_for_grad_weight = _cast_grad_output(
+                ctx, grad_output, (Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT), go_scale, go_record_amax
             )
+        elif need_grad_input:
+            (grad_output_for_grad_input,) = _cast_grad_output(
+                ctx, grad_output, (Gemm.GRAD_INPUT,), go_scale, go_record_amax
+            )
+
+        if need_grad_input:
             weight_for_grad_input = _recast(
                 weight_saved, Role.WEIGHT, Gemm.GRAD_INPUT, config, ctx.observer,
                 weight_recast_scale,
@@ -261,24 +271,14 @@ class _Float8Matmul(torch.autograd.Function):
             )
             # Free what the grad_weight gemm does not need before it allocates its output:
             # backward's peak memory is what float8 must keep below bf16's.
-            del weight_for_grad_input
+            del weight_for_grad_input, grad_output_for_grad_input
 
-        if ctx.needs_input_grad[1]:
-            same_cast = cast_key(config, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT) == cast_key(
-                config, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT
-            )
-            if same_cast and isinstance(grad_output_for_grad_input, Float8Tensor):
-                # The same bytes, transposed into the layout the grad_weight gemm needs.
-                grad_output_for_grad_weight = with_layout(
-                    grad_output_for_grad_input, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT
-                )
-                grad_output_for_grad_input = None
-            elif same_cast and grad_output_for_grad_input is not None:
-                grad_output_for_grad_weight = grad_output_for_grad_input
-            else:
-                grad_output_for_grad_weight = _cast_grad_output(
-                    ctx, grad_output, Gemm.GRAD_WEIGHT, grad_output_scale
-                )
+        if need_grad_weight:
+            if grad_output_for_grad_weight is None:
+                (grad_output_for_grad_weight,) = _cast_grad_output(
+                    ctx, grad_output, (Gemm.GRAD_WEIGHT,), go_scale,
+                    None if need_grad_input else go_record_amax,
+                )  # fmt: skip
             input_for_grad_weight = _recast(
                 input_saved, Role.INPUT, Gemm.GRAD_WEIGHT, config, ctx.observer,
                 input_recast_scale,
@@ -325,15 +325,17 @@ def linear_mm(
 
 
 def _cast_grad_output(
-    ctx,
+    ctx,  # noqa: ANN001
     grad_output: torch.Tensor,
-    gemm: Gemm,
-    scale: torch.Tensor | None,  # noqa: ANN001
-) -> torch.Tensor:
-    """grad_output as `gemm` needs it, shown to the stats observer."""
-    fp8 = cast_for_gemm(grad_output, Role.GRAD_OUTPUT, gemm, ctx.config, scale)
-    observe_cast(ctx.observer, Role.GRAD_OUTPUT, gemm, grad_output, fp8)
-    return fp8
+    gemms: tuple[Gemm, ...],
+    scale: torch.Tensor | None,
+    record_amax: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """grad_output as each of `gemms` needs it (one cast: they share it), shown once to the
+    stats observer (the other layouts hold the same bytes)."""
+    casts = cast_for_gemms(grad_output, Role.GRAD_OUTPUT, gemms, ctx.config, scale, record_amax)
+    observe_cast(ctx.observer, Role.GRAD_OUTPUT, gemms[0], grad_output, casts[0])
+    return casts
 
 
 def _stateful_scale_of(

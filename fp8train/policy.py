@@ -46,7 +46,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fp8train.cast import cast_for_gemm, cast_key, with_layout
+from fp8train.cast import cast_for_gemm, cast_for_gemms, cast_key, with_layout
 from fp8train.config import Float8LinearConfig, Gemm, Role
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.tensor import Float8Tensor
@@ -111,10 +111,19 @@ def forward_operands(
     tag = _tag(config, role, keep) if shared else None
     # Delayed and static scales are found here, outside any checkpoint region: recording the
     # amax is an in-place update, which a region must not hold.
-    scale = stateful_scale(
+    scale, record_amax = stateful_scale(
         hp, config.cast_config(role, Gemm.OUTPUT), state, config.round_scales_to_power_of_2
     )
-    for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, tag, scale)
+    if keep and shared and not torch.compiler.is_compiling():
+        # Eager: one cast writes the output gemm's layout and the backward gemm's, from one
+        # read of hp (on CUDA; a transposed copy elsewhere).
+        with torch.no_grad():
+            for_output, for_backward = cast_for_gemms(
+                hp, role, (Gemm.OUTPUT, backward_gemm), config, scale, record_amax
+            )
+        observe_cast(observer, role, Gemm.OUTPUT, hp, for_output)
+        return for_output, for_backward
+    for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, tag, scale, record_amax)
     observe_cast(observer, role, Gemm.OUTPUT, hp, for_output)
     if not keep or shared:
         return for_output, None
@@ -137,11 +146,11 @@ def kept_for_backward(
         return hp
     if isinstance(hp, Float8Tensor):
         return with_layout(hp, role, BACKWARD_GEMM[role])
-    if _shared(config, role):
-        # Kept in the layout of the backward gemm: the transposed copy is made now, while
-        # memory is lower than at backward's peak, and the forward layout is freed.
-        return with_layout(for_output, role, BACKWARD_GEMM[role])
-    return for_backward
+    if for_backward is not None:
+        return for_backward
+    # Kept in the layout of the backward gemm: the transposed copy is made now, while memory
+    # is lower than at backward's peak, and the forward layout is freed.
+    return with_layout(for_output, role, BACKWARD_GEMM[role])
 
 
 def _shared(config: Float8LinearConfig, role: Role) -> bool:
@@ -155,13 +164,14 @@ def _tagged_cast(
     config: Float8LinearConfig,
     keep: bool | None,
     scale: torch.Tensor | None = None,
+    record_amax: torch.Tensor | None = None,
 ) -> Float8Tensor | None:
     cast = config.cast_config(role, gemm)
     if not cast.enabled:
         return None
     if keep is None or not torch.compiler.is_compiling():
         with torch.no_grad():
-            return cast_for_gemm(hp, role, gemm, config, scale)
+            return cast_for_gemm(hp, role, gemm, config, scale, record_amax)
     # The region returns plain tensors: a subclass output of a checkpoint region is not traced.
     data, scale = checkpoint(
         _cast_to_tensors,

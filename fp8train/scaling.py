@@ -66,6 +66,13 @@ def amax_to_scale(
     amax = amax.to(torch.float32)
     scale = torch.finfo(float8_dtype).max / amax.clamp(min=EPS)
     if round_to_power_of_2:
-        # Round down, so that amax * scale still fits; a power of 2 multiplies exactly.
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = round_down_to_power_of_2(scale)
     return torch.where(torch.isfinite(amax), scale, torch.nan)
+
+
+def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """The largest power of 2 <= each positive fp32 `scale`: its exponent bits alone. Down, so
+    that amax * scale still fits; a power of 2 multiplies exactly. (exp2(floor(log2(s))) can
+    round up when s lies just below a power of 2.) Scales are never subnormal: the largest fp32
+    amax still gives a normal scale."""
+    return (scale.view(torch.int32) & 0x7F800000).view(torch.float32)

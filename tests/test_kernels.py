@@ -10,7 +10,7 @@ import torch
 
 from fp8train.cast import _saturated_cast
 from fp8train.config import ScalingGranularity
-from fp8train.kernels import HAS_TRITON, quantize_2d
+from fp8train.kernels import HAS_TRITON, cast_2d, quantize_2d
 from fp8train.scaling import amax, amax_to_scale
 from tests.conftest import FLOAT8_GPU_REASON
 
@@ -21,7 +21,8 @@ needs_triton_gpu = pytest.mark.skipif(
 
 # weird shapes: single elements, odd sizes, one row, more rows than a grid dim's block
 SHAPES = [(1, 1), (17, 33), (1, 4096), (4097, 130), (256, 8192)]
-FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+E4M3 = torch.float8_e4m3fn
+FLOAT8 = [E4M3, torch.float8_e5m2]
 HP = [torch.float32, torch.bfloat16, torch.float16]
 # (granularity, reduce_dim): tensorwise, one scale per row, one scale per column
 SCALINGS = [("tensorwise", None), ("rowwise", -1), ("rowwise", 0)]
@@ -75,18 +76,97 @@ def test_quantize_kernel_reads_strided_input():
     _check(hp[::2, 1:], torch.float8_e4m3fn, "rowwise", -1)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param("cuda", marks=needs_triton_gpu),
-    ],
-)
-@pytest.mark.parametrize("column_major", [False, True], ids=["row-major", "column-major"])
-def test_saturated_cast_op_passes_opcheck(device, column_major):
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_triton_gpu)]
+LAYOUTS = [(True, False), (False, True), (True, True)]
+LAYOUT_IDS = ["row", "column", "both"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("row", "col"), LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("record", [False, True], ids=["", "record-amax"])
+def test_saturated_cast_op_passes_opcheck(device, row, col, record):
     hp = torch.randn(33, 65, device=device)
     scale = torch.tensor(4.0, device=device)
-    args = (hp, scale, torch.float8_e4m3fn, column_major)
+    amax_buffer = torch.zeros((), device=device) if record else None
+    args = (hp, scale, torch.float8_e4m3fn, row, col, amax_buffer)
     torch.library.opcheck(torch.ops.fp8train.saturated_cast.default, args)
-    out = torch.ops.fp8train.saturated_cast(*args)
-    assert (out.t() if column_major else out).is_contiguous()
+    outs = torch.ops.fp8train.saturated_cast(*args)
+    for out, column_major, asked in zip(outs, (False, True), (row, col), strict=True):
+        if not asked:
+            assert out.numel() == 0
+            continue
+        assert (out.t() if column_major else out).is_contiguous()
+        assert torch.equal(_bytes(out), _bytes(_saturated_cast(hp, scale, torch.float8_e4m3fn)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("row", "col"), LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("pow2", [False, True], ids=["", "pow2"])
+def test_cast_from_amax_op_passes_opcheck(device, row, col, pow2):
+    hp = torch.randn(33, 65, device=device)
+    hp_amax = hp.abs().max()
+    args = (hp, hp_amax, torch.float8_e5m2, pow2, row, col)
+    torch.library.opcheck(torch.ops.fp8train.cast_from_amax.default, args)
+    scale, *outs = torch.ops.fp8train.cast_from_amax(*args)
+    assert torch.equal(scale, amax_to_scale(hp_amax, torch.float8_e5m2, round_to_power_of_2=pow2))
+    assert [out.numel() > 0 for out in outs] == [row, col]
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("float8_dtype", FLOAT8, ids=str)
+@pytest.mark.parametrize("hp_dtype", HP, ids=str)
+@pytest.mark.parametrize("pow2", [False, True], ids=["", "pow2"])
+def test_cast_kernel_scales_from_the_amax_bit_for_bit_in_both_layouts(
+    shape, float8_dtype, hp_dtype, pow2
+):
+    hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
+    hp_amax = amax(hp, ScalingGranularity.TENSORWISE, None)
+    scale, row, col = cast_2d(
+        hp, hp_amax, float8_dtype, row_major=True, column_major=True,
+        scale_from_amax=True, round_to_power_of_2=pow2,
+    )  # fmt: skip
+    expected_scale = amax_to_scale(hp_amax, float8_dtype, round_to_power_of_2=pow2)
+    assert torch.equal(scale.view(torch.int32), expected_scale.view(torch.int32))
+    reference = _bytes(_saturated_cast(hp, expected_scale, float8_dtype))
+    assert row.is_contiguous() and col.t().is_contiguous()
+    assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference)
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize(
+    "amax_value", [0.0, 1e-30, 3e-5, 1.0, 447.9, 448.0, 1e30, 3.3e38, float("inf"), float("nan")]
+)
+@pytest.mark.parametrize("pow2", [False, True], ids=["", "pow2"])
+def test_cast_kernel_scale_matches_amax_to_scale_on_edge_amaxes(amax_value, pow2):
+    hp = torch.ones(4, 4, device="cuda")
+    hp_amax = torch.tensor(amax_value, device="cuda")
+    scale, _, _ = cast_2d(hp, hp_amax, E4M3, scale_from_amax=True, round_to_power_of_2=pow2)
+    expected = amax_to_scale(hp_amax, E4M3, round_to_power_of_2=pow2)
+    assert torch.equal(scale, expected) or (scale.isnan() and expected.isnan())
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("hp_dtype", HP, ids=str)
+def test_cast_kernel_records_the_amax_in_the_same_pass(shape, hp_dtype):
+    hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
+    scale = torch.tensor(3.0, device="cuda")
+    earlier = torch.tensor(0.5, device="cuda")  # the buffer keeps the max over the step
+    buffer = earlier.clone()
+    _, row, _ = cast_2d(hp, scale, E4M3, record_amax=buffer)
+    expected = torch.maximum(earlier, amax(hp, ScalingGranularity.TENSORWISE, None))
+    assert torch.equal(buffer, expected)
+    assert torch.equal(_bytes(row), _bytes(_saturated_cast(hp, scale, E4M3)))
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_recording_cast_makes_non_finite_values_nan_and_the_amax_non_finite(bad):
+    hp = torch.randn(64, 64, device="cuda")
+    hp[3, 5] = bad
+    buffer = torch.zeros((), device="cuda")
+    _, row, _ = cast_2d(hp, torch.tensor(1.0, device="cuda"), E4M3, record_amax=buffer)
+    assert buffer.item() == float("inf")
+    decoded = row.float()
+    assert decoded[3, 5].isnan() and decoded.isfinite().sum() == hp.numel() - 1

@@ -1,13 +1,22 @@
-"""saturate(hp * scale) -> float8 in one pass: read hp once, write float8 once.
+"""saturate(hp * scale) -> float8 in one pass: read hp once, write float8 once per layout.
 
 The torch path, `(hp.float() * scale).clamp(-max, max).to(float8)`, makes two full-size fp32
 temporaries (4 bytes per element each, twice a bf16 tensor) that raise eager mode's peak memory
-above bf16 training's. The kernel computes the same values in registers: fp32 product, the same
-clamp, round-to-nearest-even conversion, so its bytes are those of the torch path.
+above bf16 training's, and a transposed copy afterwards (`.t().contiguous()`) is a strided copy
+that runs at a fraction of the memory bandwidth. The kernel computes the same values in
+registers (fp32 product, the same clamp, round-to-nearest-even conversion, so its bytes are
+those of the torch path) and writes them in the layouts the gemms need: row-major, column-major
+or both from the one read.
+
+Two more things happen in the same pass where asked:
+- the scale itself, from a tensorwise amax (`scale_from_amax`): the arithmetic of
+  `fp8train.scaling.amax_to_scale`, op for op, so the scale is the torch path's to the bit; it
+  saves the half-dozen tiny kernels of that function in eager mode;
+- the amax of hp, folded into an fp32 buffer with an atomic max (`record_amax`): delayed
+  scaling's amax for the next step, at no extra read.
 
 Shapes: hp (M, N), any strides; scale broadcastable to (M, N): 0-d (tensorwise), (M, 1) or
-(1, N) (rowwise). Output: (M, N), row-major or column-major (the layout the gemm operand needs,
-written directly instead of cast then transposed: one float8 copy less in memory).
+(1, N) (rowwise), or a 0-d amax with `scale_from_amax`.
 """
 
 from __future__ import annotations
@@ -25,75 +34,153 @@ except ImportError:  # the CPU wheels of torch come without Triton
 if HAS_TRITON:
 
     @triton.jit
-    def _quantize_kernel(
+    def _cast_kernel(
         hp_ptr,
         scale_ptr,
-        out_ptr,
+        row_ptr,
+        col_ptr,
+        scale_out_ptr,
+        amax_out_ptr,
         M,
         N,
         stride_hm,
         stride_hn,
         stride_sm,
         stride_sn,
-        stride_om,
-        stride_on,
         fp8_max,
+        eps,
+        SCALE_FROM_AMAX: tl.constexpr,
+        POW2: tl.constexpr,
+        WRITE_ROW: tl.constexpr,
+        WRITE_COL: tl.constexpr,
+        RECORD_AMAX: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         mask = (rows < M) & (cols < N)
         # 64-bit offsets: activations of more than 2**31 elements exist.
         rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
-        hp = tl.load(hp_ptr + rows64 * stride_hm + cols64 * stride_hn, mask=mask)
-        scale = tl.load(scale_ptr + rows64 * stride_sm + cols64 * stride_sn, mask=mask)
-        scaled = hp.to(tl.float32) * scale
+        hp = tl.load(hp_ptr + rows64 * stride_hm + cols64 * stride_hn, mask=mask).to(tl.float32)
+        if SCALE_FROM_AMAX:
+            amax = tl.load(scale_ptr)
+            # amax_to_scale: fp8_max / amax.clamp(min=EPS), which torch computes as
+            # reciprocal (IEEE division) times fp8_max.
+            scale = tl.math.div_rn(1.0, tl.maximum(amax, eps)) * fp8_max
+            if POW2:  # round down to a power of 2: keep the exponent bits only
+                scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+            scale = tl.where((amax == amax) & (amax != float("inf")), scale, float("nan"))
+            if (pid_m == 0) & (pid_n == 0):
+                tl.store(scale_out_ptr, scale)
+        else:
+            scale = tl.load(scale_ptr + rows64 * stride_sm + cols64 * stride_sn, mask=mask)
+        scaled = hp * scale
         # NaN stays NaN, as torch.clamp keeps it; e4m3fn has no inf, so saturate first.
         scaled = tl.minimum(
             tl.maximum(scaled, -fp8_max, propagate_nan=tl.PropagateNan.ALL),
             fp8_max,
             propagate_nan=tl.PropagateNan.ALL,
         )
-        tl.store(
-            out_ptr + rows64 * stride_om + cols64 * stride_on,
-            scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-            mask=mask,
-        )
+        if RECORD_AMAX:
+            magnitude = tl.abs(hp)
+            # NaN counts as inf: the amax is then non-finite, which the delayed sync refuses.
+            magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))
+            tile_amax = tl.max(tl.max(tl.where(mask, magnitude, 0.0), axis=1), axis=0)
+            tl.atomic_max(amax_out_ptr, tile_amax)
+            # A non-finite input becomes NaN in float8, as a dynamic cast makes it (there the
+            # whole tensor turns NaN through its scale): never a saturated finite value.
+            scaled = tl.where(magnitude == float("inf"), float("nan"), scaled)
+        fp8 = scaled.to(row_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        if WRITE_ROW:
+            tl.store(row_ptr + rows64 * N + cols64, fp8, mask=mask)
+        if WRITE_COL:
+            tl.store(col_ptr + rows64 + cols64 * M, fp8, mask=mask)
 
 
 _BLOCK_M, _BLOCK_N = 32, 128
 
 
-def quantize_2d(
-    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool = False
-) -> torch.Tensor:
-    """The float8 bytes of `saturate(hp * scale)` for a 2-D CUDA tensor `hp` (see the module
-    docstring for the shapes)."""
+def cast_2d(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    float8_dtype: torch.dtype,
+    *,
+    row_major: bool = True,
+    column_major: bool = False,
+    scale_from_amax: bool = False,
+    round_to_power_of_2: bool = False,
+    record_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The float8 bytes of `saturate(hp * scale)` for a 2-D CUDA tensor `hp`, in the layouts
+    asked for: (scale, row-major data or None, column-major data or None).
+
+    `scale_from_amax`: `scale` is a 0-d amax and the scale is computed from it (returned);
+    otherwise the given scale is returned. `record_amax`: a 0-d fp32 buffer that is raised
+    to max |hp| in place.
+    """
     m, n = hp.shape
-    out = empty_2d(m, n, float8_dtype, hp.device, column_major)
-    if out.numel() == 0:
-        return out
-    scale_strides = scale.expand(m, n).stride()
+    if not (row_major or column_major):
+        raise ValueError("cast_2d needs at least one layout to write")
+    if row_major and column_major and hp.dtype == torch.float32:
+        # Both stores from one fp32 tile came out wrong in the column-major copy on the H200
+        # (torch 2.11's Triton; 16-bit inputs and single stores are exact): two launches.
+        scale, row, _ = cast_2d(
+            hp, scale, float8_dtype, scale_from_amax=scale_from_amax,
+            round_to_power_of_2=round_to_power_of_2, record_amax=record_amax,
+        )  # fmt: skip
+        _, _, col = cast_2d(hp, scale, float8_dtype, row_major=False, column_major=True)
+        return scale, row, col
+    row = empty_2d(m, n, float8_dtype, hp.device, column_major=False) if row_major else None
+    col = empty_2d(m, n, float8_dtype, hp.device, column_major=True) if column_major else None
+    scale_out = torch.empty((), device=hp.device) if scale_from_amax else scale
+    if hp.numel() == 0:
+        if scale_from_amax:
+            from fp8train.scaling import amax_to_scale
+
+            scale_out = amax_to_scale(scale, float8_dtype, round_to_power_of_2=round_to_power_of_2)
+        return scale_out, row, col
+    scale_strides = (0, 0) if scale_from_amax else scale.expand(m, n).stride()
+    any_out = row if row is not None else col
     grid = (triton.cdiv(m, _BLOCK_M), triton.cdiv(n, _BLOCK_N))
-    _quantize_kernel[grid](
+    from fp8train.scaling import EPS
+
+    _cast_kernel[grid](
         hp,
         scale,
-        out,
+        any_out if row is None else row,
+        any_out if col is None else col,
+        scale_out,
+        scale_out if record_amax is None else record_amax,
         m,
         n,
         hp.stride(0),
         hp.stride(1),
         scale_strides[0],
         scale_strides[1],
-        out.stride(0),
-        out.stride(1),
         torch.finfo(float8_dtype).max,
+        EPS,
+        SCALE_FROM_AMAX=scale_from_amax,
+        POW2=round_to_power_of_2,
+        WRITE_ROW=row is not None,
+        WRITE_COL=col is not None,
+        RECORD_AMAX=record_amax is not None,
         BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
         num_warps=4,
     )
-    return out
+    return scale_out, row, col
+
+
+def quantize_2d(
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool = False
+) -> torch.Tensor:
+    """The float8 bytes of `saturate(hp * scale)` in one layout."""
+    _, row, col = cast_2d(
+        hp, scale, float8_dtype, row_major=not column_major, column_major=column_major
+    )
+    return col if column_major else row
 
 
 def empty_2d(
