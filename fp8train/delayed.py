@@ -18,14 +18,16 @@ Static: CastConfig(scaling_type='static', static_scale=s) casts with s; no state
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8train.cast import eager_kernel
 from fp8train.config import CastConfig, Float8LinearConfig, Gemm, Role, ScalingType
-from fp8train.scaling import EPS, amax_to_scale
+from fp8train.scaling import EPS, amax_to_scale, round_down_to_power_of_2
 
 
 class DelayedState(NamedTuple):
@@ -33,16 +35,21 @@ class DelayedState(NamedTuple):
     history: torch.Tensor
     scale: torch.Tensor
     initialized: torch.Tensor
+    ready: bool = False
+    """Known on the host (set by the eager sync): `scale` holds an earlier step's scale, so the
+    cast can start without this step's amax and record it in its own pass (one read of hp)."""
 
 
 _FIRST_GEMM = {Role.INPUT: Gemm.OUTPUT, Role.WEIGHT: Gemm.OUTPUT, Role.GRAD_OUTPUT: Gemm.GRAD_INPUT}
 _NAMES = ("amax", "amax_history", "scale", "initialized")
+# A tuple, not the Enum class: dynamo on torch 2.11 breaks the graph on iterating an Enum.
+_ROLES = tuple(Role)
 
 
 def delayed_roles(config: Float8LinearConfig) -> tuple[Role, ...]:
     return tuple(
         role
-        for role in Role
+        for role in _ROLES
         if config.cast_config(role, _FIRST_GEMM[role]).scaling_type is ScalingType.DELAYED
     )
 
@@ -52,6 +59,9 @@ def register_delayed_buffers(
 ) -> None:
     """The buffers of every delayed role of `module` (a Float8Linear), initial values."""
     history_len = config.delayed_scaling_config.history_len
+    # The roles whose scale buffer holds an earlier step's scale, known on the host: set by
+    # the eager sync, cleared when a state_dict is loaded.
+    module._fp8_ready_roles = set()
     for role in delayed_roles(config):
         values = (
             torch.zeros((), device=device),
@@ -67,27 +77,43 @@ def buffer_names(config: Float8LinearConfig) -> list[str]:
     return [f"fp8_{name}_{role.value}" for role in delayed_roles(config) for name in _NAMES]
 
 
-def role_state(module: nn.Module, role: Role) -> DelayedState:
-    return DelayedState(*(getattr(module, f"fp8_{name}_{role.value}") for name in _NAMES))
+def role_state(module: nn.Module, role: Role, ready: bool = False) -> DelayedState:
+    buffers = (getattr(module, f"fp8_{name}_{role.value}") for name in _NAMES)
+    return DelayedState(*buffers, ready=ready)
 
 
 def stateful_scale(
     hp: torch.Tensor, cast: CastConfig, state: DelayedState | None, round_pow2: bool
-) -> torch.Tensor | None:
-    """The scale of a delayed or static cast (recording the amax of `hp` for delayed); None
-    for a dynamic cast, which scales from its own amax."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(scale, record_amax) of a delayed or static cast; (None, None) for a dynamic cast,
+    which scales from its own amax.
+
+    Delayed: once the scale is known on the host to be an earlier step's (`state.ready`) and
+    the cast runs in the eager CUDA kernel, that scale is used as it is and the cast records
+    this step's amax into `record_amax` in its own pass: one read of hp. Otherwise (first step,
+    under torch.compile, on the CPU) the amax is recorded here, a pass of its own, and the
+    first step scales from the data."""
     if cast.scaling_type is ScalingType.STATIC:
-        return torch.full((), cast.static_scale, device=hp.device)
+        return torch.full((), cast.static_scale, device=hp.device), None
     if cast.scaling_type is not ScalingType.DELAYED:
-        return None
+        return None, None
     if state is None:
         raise ValueError("a delayed cast needs its layer's amax and scale buffers")
+    if state.ready and eager_kernel(hp):
+        # A copy: the sync updates the buffer in place, and a cast kept for backward must keep
+        # the scale it was made with.
+        return state.scale.clone(), state.amax
     with torch.no_grad():
         current = torch.linalg.vector_norm(hp, ord=float("inf"), dtype=torch.float32)
         state.amax.copy_(torch.maximum(state.amax, current))
         fresh = amax_to_scale(current, cast.target_dtype, round_to_power_of_2=round_pow2)
         scale = torch.where(state.initialized, state.scale, fresh)
-        return torch.where(torch.isfinite(current), scale, torch.nan)
+        return torch.where(torch.isfinite(current), scale, torch.nan), None
+
+
+# Per model, the previous sync's flags still to be read (kept off the module, which may be
+# deep-copied or pickled).
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
@@ -98,6 +124,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
     from fp8train.linear import Float8Linear
 
     groups: dict[tuple, list[tuple[str, Role, DelayedState, CastConfig, bool]]] = {}
+    owners: dict[tuple, list[nn.Module]] = {}
     for fqn, module in model.named_modules():
         if not isinstance(module, Float8Linear):
             continue
@@ -107,27 +134,75 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
             key = (config.delayed_scaling_config.scale_fn,)
             entry = (fqn, role, role_state(module, role), cast, config.round_scales_to_power_of_2)
             groups.setdefault(key, []).append(entry)
-    for (scale_fn,), entries in groups.items():
-        _sync_group(entries, scale_fn)
+            owners.setdefault(key, []).append(module)
+    pending = _PENDING.pop(model, None)
+    if pending is not None and not torch.compiler.is_compiling():
+        pending.report()  # the previous step's, finished on the GPU long ago: no stall
+    checks = []
+    for key, entries in groups.items():
+        finite, initialized = _sync_group(entries, key[0])
+        checks.append((owners[key], entries, finite, initialized))
+    if torch.compiler.is_compiling() or not checks:
+        return
+    pending = _PendingCheck(checks)
+    if pending.on_cpu:
+        pending.report()
+    else:
+        _PENDING[model] = pending
 
 
-def _sync_group(entries, scale_fn: str) -> None:  # noqa: ANN001
+class _PendingCheck:
+    """What a sync must tell the host, read without stalling it: which amaxes were non-finite
+    (a warning) and which scales are now an earlier step's (`_fp8_ready_roles`, which lets the
+    next eager casts run in one pass). On CUDA the flags are copied to pinned memory behind an
+    event and read at the next sync, one step later, when the copy is long done: a host read
+    now would wait for the whole step and leave the GPU idle while the next one is launched."""
+
+    def __init__(self, checks: list) -> None:  # noqa: ANN001
+        self.checks = [(owners, entries) for owners, entries, _, _ in checks]
+        flags = torch.cat([torch.cat([f, i]) for _, _, f, i in checks])
+        self.on_cpu = flags.device.type != "cuda"
+        if self.on_cpu:
+            self.flags, self.event = flags, None
+        else:
+            self.flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.flags.copy_(flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def report(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        flags, offset, bad = self.flags.tolist(), 0, []
+        for owners, entries in self.checks:
+            n = len(entries)
+            finite, initialized = flags[offset : offset + n], flags[offset + n : offset + 2 * n]
+            offset += 2 * n
+            for module, (fqn, role, *_), ok, ready in zip(
+                owners, entries, finite, initialized, strict=True
+            ):
+                if not ok:
+                    bad.append(f"{fqn or '<root>'}:{role.value}")
+                module._fp8_ready_roles.discard(role)
+                if ready:
+                    module._fp8_ready_roles.add(role)
+        if bad:
+            when = "this step" if self.event is None else "the previous step"
+            warnings.warn(
+                f"non-finite amax in {', '.join(bad)} in {when}: not written into the history; "
+                "those casts kept their previous scale (that step's loss is non-finite)",
+                stacklevel=3,
+            )
+
+
+def _sync_group(entries, scale_fn: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """Sync one group in place; returns which amaxes were finite and which states are
+    initialized now."""
     states = [entry[2] for entry in entries]
     amax = torch.stack([s.amax for s in states])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     finite = torch.isfinite(amax)
-    if not torch.compiler.is_compiling() and not bool(finite.all()):
-        bad = [
-            f"{fqn or '<root>'}:{role.value}"
-            for (fqn, role, *_), ok in zip(entries, finite.tolist(), strict=True)
-            if not ok
-        ]
-        warnings.warn(
-            f"non-finite amax in {', '.join(bad)}: not written into the history; those casts "
-            "keep their previous scale (this step's loss is non-finite)",
-            stacklevel=3,
-        )
     old_history = _stack_padded([s.history for s in states])
     rolled = torch.roll(old_history, 1, dims=1)
     rolled[:, 0] = amax
@@ -146,7 +221,7 @@ def _sync_group(entries, scale_fn: str) -> None:  # noqa: ANN001
     )
     scale = fp8_max / history_amax.clamp(min=EPS)
     pow2 = torch.tensor([entry[4] for entry in entries], device=amax.device)
-    scale = torch.where(pow2, torch.exp2(torch.floor(torch.log2(scale))), scale)
+    scale = torch.where(pow2, round_down_to_power_of_2(scale), scale)
     old_scale = torch.stack([s.scale for s in states])
     scale = torch.where(finite, scale, old_scale)
     initialized = torch.stack([s.initialized for s in states]) | finite
@@ -157,6 +232,7 @@ def _sync_group(entries, scale_fn: str) -> None:  # noqa: ANN001
     torch._foreach_copy_([s.scale for s in states], list(scale.unbind(0)))
     torch._foreach_copy_([s.initialized for s in states], list(initialized.unbind(0)))
     torch._foreach_zero_([s.amax for s in states])
+    return finite, initialized
 
 
 def _stack_padded(histories: list[torch.Tensor]) -> torch.Tensor:

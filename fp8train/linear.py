@@ -66,7 +66,9 @@ class Float8Linear(nn.Linear):
                 misaligned_message(Gemm.GRAD_WEIGHT, tokens, self.in_features, self.fqn)
             )
         observer = None if torch.compiler.is_compiling() else self._observer
-        state = {role: role_state(self, role) for role in delayed_roles(self.config)}
+        # Compiled code reads no host-side flag: dynamo would guard on it and recompile.
+        ready = set() if torch.compiler.is_compiling() else self._fp8_ready_roles
+        state = {role: role_state(self, role, role in ready) for role in delayed_roles(self.config)}
         output = linear_mm(input, self.weight, self.config, observer, state)
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
@@ -100,6 +102,7 @@ class Float8Linear(nn.Linear):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, *args
         )
+        self._fp8_ready_roles.clear()  # the loaded scales are checked on the next step
         for key in absent:
             if key in missing_keys:
                 missing_keys.remove(key)

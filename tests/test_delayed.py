@@ -20,6 +20,7 @@ from fp8train import (
     to_float8,
 )
 from fp8train.config import E4M3, E5M2
+from tests.conftest import FLOAT8_GPU_REASON
 
 M, K, N = 32, 64, 48
 DELAYED = CastConfig(scaling_type="delayed")
@@ -215,3 +216,52 @@ def test_sync_compiles_fullgraph():
         model(x).sum().backward()
         sync(model)
     assert torch.equal(model[0].fp8_amax_history_input[:3], torch.stack(amaxes[::-1]))
+
+
+def test_sync_marks_scales_ready_and_a_load_clears_the_mark():
+    layer = Float8Linear(K, N, bias=False, config=delayed_config())
+    assert layer._fp8_ready_roles == set()
+    layer(torch.randn(M, K, requires_grad=True)).sum().backward()
+    sync_float8_amax_and_scale_history(layer)
+    assert {role.value for role in layer._fp8_ready_roles} == {"input", "weight", "grad_output"}
+    layer.load_state_dict(layer.state_dict())
+    assert layer._fp8_ready_roles == set()
+
+
+@pytest.mark.skipif(FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON))
+def test_one_pass_delayed_cast_equals_the_two_pass_cast_on_the_gpu():
+    """From the second step on, the eager CUDA cast records the amax in its own pass: the
+    outputs, gradients, amaxes and scales are those of the two-pass path."""
+    torch.manual_seed(0)
+    one_pass = Float8Linear(256, 512, bias=False, config=delayed_config()).cuda()
+    two_pass = copy.deepcopy(one_pass)
+    for step in range(3):
+        x = torch.randn(128, 256, device="cuda")
+        results = []
+        for layer in (one_pass, two_pass):
+            xi = x.clone().requires_grad_()
+            out = layer(xi)
+            out.square().sum().backward()
+            results.append((out, xi.grad, layer.weight.grad, layer.fp8_amax_grad_output.clone()))
+            sync_float8_amax_and_scale_history(layer)
+            layer.weight.grad = None
+        two_pass._fp8_ready_roles.clear()  # always the two-pass path
+        if step:
+            assert one_pass._fp8_ready_roles
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
+        for name in ("scale_input", "scale_weight", "scale_grad_output", "amax_history_input"):
+            assert torch.equal(getattr(one_pass, f"fp8_{name}"), getattr(two_pass, f"fp8_{name}"))
+
+
+@pytest.mark.skipif(FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON))
+def test_on_the_gpu_a_non_finite_amax_is_reported_at_the_next_sync():
+    layer = Float8Linear(64, 32, bias=False, config=delayed_config()).cuda()
+    x = torch.randn(16, 64, device="cuda")
+    x[0, 0] = float("inf")
+    layer(x.requires_grad_()).sum().backward()
+    sync_float8_amax_and_scale_history(layer)  # no host read here
+    layer(torch.randn(16, 64, device="cuda", requires_grad=True)).sum().backward()
+    with pytest.warns(UserWarning, match="non-finite amax in <root>:input in the previous step"):
+        sync_float8_amax_and_scale_history(layer)
+    assert torch.isfinite(layer.fp8_scale_input) and layer.fp8_scale_input > 0
