@@ -19,6 +19,10 @@ def _run(rank: int, port: int, worker, args: tuple) -> None:  # noqa: ANN001
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         worker(rank, *args)
+        # No collective in flight at teardown: gloo has aborted the process ("terminate called
+        # without an active exception") when one rank destroyed its group while the other
+        # still had work queued.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
