@@ -9,6 +9,7 @@ private and may change.
 
 from fp8train import ops as _ops  # noqa: F401  registers Float8Tensor's op table
 from fp8train import stats
+from fp8train.accumulate import cast_weights_once
 from fp8train.cast import to_float8
 from fp8train.config import (
     CastConfig,
@@ -47,6 +48,7 @@ __all__ = [
     "sync_float8_amax_and_scale_history",
     "strip_float8_state",
     "precompute_float8_dynamic_scale_for_fsdp",
+    "cast_weights_once",
     # modules and tensors
     "Float8Linear",
     "Float8Tensor",

@@ -41,6 +41,11 @@ class Float8Linear(nn.Linear):
         """The layer's name in its model, for error messages."""
         self._observer = None
         # Set by fp8train.stats.record: called with every cast this layer makes.
+        self._weight_casts = None
+        self._weight_casts_version = None
+        # Set inside fp8train.cast_weights_once: the weight cast for the output and the
+        # grad_input gemms, and the weight's version counter then (eager checks it; compiled
+        # code must not read it: an int attribute would be guarded on and recompile).
         register_delayed_buffers(self, self.config, device=self.weight.device)
         check_float8_compatible(self, self.config, fqn)
 
@@ -69,7 +74,26 @@ class Float8Linear(nn.Linear):
         # Compiled code reads no host-side flag: dynamo would guard on it and recompile.
         ready = set() if torch.compiler.is_compiling() else self._fp8_ready_roles
         state = {role: role_state(self, role, role in ready) for role in delayed_roles(self.config)}
-        output = linear_mm(input, self.weight, self.config, observer, state)
+        weight_casts = self._weight_casts
+        stale = (
+            weight_casts is not None
+            and not torch.compiler.is_compiling()
+            and self.weight._version != self._weight_casts_version
+        )
+        if stale:
+            name = f"Float8Linear '{self.fqn}'" if self.fqn else "Float8Linear"
+            raise RuntimeError(
+                f"{name}: the weight changed inside cast_weights_once, so its float8 cast is "
+                "stale: step the optimizer after the block, not inside it"
+            )
+        output = linear_mm(
+            input,
+            self.weight,
+            self.config,
+            observer,
+            state,
+            weight_casts=weight_casts,
+        )
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output

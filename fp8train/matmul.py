@@ -299,17 +299,23 @@ def linear_mm(
     config: Float8LinearConfig,
     observer: Observer | None = None,
     state: dict[Role, DelayedState] | None = None,
+    weight_casts: tuple[Float8Tensor, Float8Tensor | None] | None = None,
 ) -> torch.Tensor:
     """`input @ weight.T` through the float8 gemms, any leading dims; no checks. `observer`
-    (fp8train.stats) sees every cast that forward and backward make."""
+    (fp8train.stats) sees every cast that forward and backward make. `weight_casts`: the
+    weight already cast for the output and grad_input gemms (fp8train.cast_weights_once),
+    used instead of casting it here and kept for backward."""
     input_2d = input.reshape(-1, input.shape[-1])
     state = state or {}
     input_for_output, input_for_backward = forward_operands(
         input_2d, Role.INPUT, config, observer, state.get(Role.INPUT)
     )
-    weight_for_output, weight_for_backward = forward_operands(
-        weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT)
-    )
+    if weight_casts is not None:
+        weight_for_output, weight_for_backward = weight_casts
+    else:
+        weight_for_output, weight_for_backward = forward_operands(
+            weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT)
+        )
     output = _Float8Matmul.apply(
         input_2d,
         weight,

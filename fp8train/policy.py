@@ -141,13 +141,14 @@ def kept_for_backward(
     role: Role,
     config: Float8LinearConfig,
 ) -> torch.Tensor:
-    """What backward keeps of `role`, from `forward_operands`' results."""
+    """What backward keeps of `role`, from `forward_operands`' results (or the weight's
+    casts from fp8train.cast_weights_once: a given `for_backward` is always kept)."""
+    if for_backward is not None:
+        return for_backward
     if not keeps_float8(config, role):
         return hp
     if isinstance(hp, Float8Tensor):
         return with_layout(hp, role, BACKWARD_GEMM[role])
-    if for_backward is not None:
-        return for_backward
     # Kept in the layout of the backward gemm: the transposed copy is made now, while memory
     # is lower than at backward's peak, and the forward layout is freed.
     return with_layout(for_output, role, BACKWARD_GEMM[role])
