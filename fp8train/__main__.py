@@ -31,12 +31,23 @@ def build_parser() -> argparse.ArgumentParser:
         bench = commands.add_parser(
             f"bench-{name}", help=summary, description=f"{summary} (benchmarks/bench_{name}.py)"
         )
-        module = _benchmark(name)
+        module = _from_checkout(f"benchmarks.bench_{name}")
         if module is None:
             bench.set_defaults(func=_no_benchmarks)
         else:
             module.add_arguments(bench)
             bench.set_defaults(func=module.main)
+    example = commands.add_parser(
+        "train-llama",
+        help="LLaMA-style training on real text: bf16 against float8 recipes and torchao.float8",
+        description="LLaMA-style training on real text (examples/train_llama.py)",
+    )
+    module = _from_checkout("examples.train_llama")
+    if module is None:
+        example.set_defaults(func=_no_benchmarks)
+    else:
+        module.add_arguments(example)
+        example.set_defaults(func=module.main)
     return parser
 
 
@@ -46,21 +57,22 @@ BENCHMARKS = {
 }
 
 
-def _benchmark(name: str):  # noqa: ANN202
-    """benchmarks/bench_<name>.py, or None outside a checkout of the repository (the
-    benchmarks are not installed with the package)."""
+def _from_checkout(name: str):  # noqa: ANN202
+    """A module of the repository's benchmarks/ or examples/, or None outside a checkout (they
+    are not installed with the package)."""
     try:
-        return importlib.import_module(f"benchmarks.bench_{name}")
+        return importlib.import_module(name)
     except ModuleNotFoundError as error:
-        if error.name != "benchmarks" and error.name != f"benchmarks.bench_{name}":
+        if error.name not in (name, name.split(".")[0]):
             raise
         return None
 
 
 def _no_benchmarks(args: argparse.Namespace) -> None:
     raise SystemExit(
-        f"{args.command}: the benchmarks live in the repository's benchmarks/ folder, which is "
-        "not installed with the package: run this from the root of a checkout"
+        f"{args.command}: the benchmarks and examples live in the repository's benchmarks/ and "
+        "examples/ folders, which are not installed with the package: run this from the root "
+        "of a checkout"
     )
 
 

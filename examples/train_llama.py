@@ -1,0 +1,339 @@
+"""Train a LLaMA-style decoder on real text in bf16, in float8 (each recipe) and, when it is
+importable, with torchao.float8; compare loss, tokens/s and peak memory.
+
+    python -m examples.train_llama                       # the preset of this machine
+    python -m examples.train_llama --preset h200 --configs bf16 tensorwise torchao-tensorwise
+    python -m fp8train train-llama ...                   # the same, from a checkout
+
+The text is byte-level English that ships with Python (fp8train.data: the reference
+documentation in pydoc_data), so nothing is downloaded. Every run starts from the same weights
+and sees the same batches; the validation windows are held-out text. Each transformer block is
+compiled on its own with --compile (fullgraph), wrapped in activation checkpointing with --ac.
+With --grad-accum N each optimizer step runs N micro-batches; the float8 runs cast each weight
+once per optimizer step (fp8train.cast_weights_once), torchao's once per micro-batch.
+
+Prints a markdown table (tokens/s, peak memory, final train and validation loss, each against
+bf16) and writes the loss curves as a PNG with --plot (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+from fp8train import (
+    CastConfig,
+    Float8LinearConfig,
+    cast_weights_once,
+    convert_to_float8_training,
+    sync_float8_amax_and_scale_history,
+)
+from fp8train.data import batches, eval_batches, load_text_tokens, train_val_split
+from fp8train.demo import evaluate, lm_loss
+from fp8train.models import ModelArgs, Transformer
+
+try:
+    import torchao.float8 as torchao_float8
+except ImportError:
+    torchao_float8 = None
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Minutes on two CPU cores: the float8 path through torch._scaled_mm on the CPU.
+    "cpu": dict(dim=128, n_layers=2, n_heads=4, ffn_dim=352, seq_len=128, batch_size=8,
+                steps=150, lr=3e-3, dtype="float32"),
+    # The issue's model: 6 layers, d=4096, 32 heads, FFN 14336, seq 4096, batch 2.
+    "h200": dict(dim=4096, n_layers=6, n_heads=32, ffn_dim=14336, seq_len=4096, batch_size=2,
+                 steps=300, lr=3e-4, dtype="bfloat16"),
+}  # fmt: skip
+
+CONFIGS = (
+    "bf16",  # the baseline: no float8 (in --dtype, bf16 on the GPU)
+    "tensorwise",
+    "tensorwise-delayed",
+    "rowwise",
+    "rowwise_with_gw_hp",
+    "blockwise",
+    "torchao-tensorwise",
+    "torchao-rowwise",
+)
+WARMUP_STEPS = 5
+"""Steps left out of tokens/s: compilation and allocator growth."""
+FINAL_STEPS = 20
+"""The final train loss is the mean over this many last steps."""
+
+
+def keep_lm_head(module: nn.Module, fqn: str) -> bool:
+    """The logits gemm stays in high precision: its errors reach the loss directly."""
+    return fqn != "lm_head"
+
+
+def convert(model: nn.Module, name: str) -> nn.Module:
+    if name == "bf16":
+        return model
+    if name.startswith("torchao-"):
+        ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(
+            name.removeprefix("torchao-")
+        )
+        return torchao_float8.convert_to_float8_training(
+            model, config=ao_config, module_filter_fn=keep_lm_head
+        )
+    if name == "tensorwise-delayed":
+        delayed = CastConfig(scaling_type="delayed")
+        config = Float8LinearConfig(
+            cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+        )
+    else:
+        config = Float8LinearConfig.from_recipe_name(name)
+    return convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
+
+
+class Checkpointed(nn.Module):
+    """A block whose activations are recomputed in backward instead of kept."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+
+def prepare(model: Transformer, args: argparse.Namespace) -> Transformer:
+    """Activation checkpointing and per-block compilation, as large-model training does."""
+    for i, block in enumerate(model.layers):
+        block = Checkpointed(block) if args.ac else block
+        if args.compile:
+            block.compile(fullgraph=True)
+        model.layers[i] = block
+    return model
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10%."""
+    warmup = max(1, args.steps // 20)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train(name: str, initial: Transformer, data: dict, args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    model = copy.deepcopy(initial).to(device=device, dtype=DTYPES[args.dtype])
+    model = prepare(convert(model, name), args)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        fused=device.type == "cuda",
+    )
+    ours = name != "bf16" and not name.startswith("torchao-")
+    stream = batches(
+        data["train"], args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed)
+    )
+    losses, times = [], []
+    for step in tqdm(range(args.steps), desc=name, disable=args.quiet, leave=False):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        _synchronize(device)
+        start = time.perf_counter()
+        once = cast_weights_once(model) if ours and args.grad_accum > 1 else nullcontext()
+        total = torch.zeros((), device=device)
+        with once:
+            for _ in range(args.grad_accum):
+                inputs, targets = (t.to(device, non_blocking=True) for t in next(stream))
+                loss = lm_loss(model, inputs, targets) / args.grad_accum
+                loss.backward()
+                total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if name == "tensorwise-delayed":
+            sync_float8_amax_and_scale_history(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total.item())  # waits for the step
+        times.append(time.perf_counter() - start)
+    timed = times[WARMUP_STEPS:] or times
+    step_s = sum(timed) / len(timed)
+    tokens = args.batch_size * args.seq_len * args.grad_accum
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    result = {
+        "config": name,
+        "losses": losses,
+        "final_train_loss": sum(losses[-FINAL_STEPS:]) / len(losses[-FINAL_STEPS:]),
+        "val_loss": evaluate(model, data["val"]),
+        "step_ms": 1e3 * step_s,
+        "tokens_per_s": tokens / step_s,
+        "peak_memory_gib": peak,
+    }
+    del model, optimizer
+    return result
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compare(rows: list[dict], base_name: str) -> list[dict]:
+    """Each run against the first (no float8): tokens/s and memory ratios, loss differences
+    in %."""
+    base = rows[0]
+    table = []
+    for row in rows:
+        entry = {
+            "config": base_name if row is base else row["config"],
+            "tokens/s": round(row["tokens_per_s"]),
+            f"vs {base_name}": row["tokens_per_s"] / base["tokens_per_s"],
+            "peak GiB": row["peak_memory_gib"],
+            f"memory vs {base_name}": None
+            if row["peak_memory_gib"] is None
+            else row["peak_memory_gib"] / base["peak_memory_gib"],
+            "final train loss": row["final_train_loss"],
+            f"train vs {base_name} %": 100
+            * (row["final_train_loss"] / base["final_train_loss"] - 1),
+            "val loss": row["val_loss"],
+            f"val vs {base_name} %": 100 * (row["val_loss"] / base["val_loss"] - 1),
+        }
+        table.append(entry)
+    return table
+
+
+def markdown(table: list[dict]) -> str:
+    def cell(value: object) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    columns = list(table[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in table]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, smooth: int = 10) -> None:
+    """Loss curves of every run, from `main`'s rows or a --json file's "runs"."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for row in rows:
+        losses = torch.tensor(row["losses"])
+        window = min(smooth, len(losses))
+        smoothed = losses.unfold(0, window, 1).mean(1)
+        axes.plot(range(window - 1, len(losses)), smoothed, label=row["config"], linewidth=1)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel(f"train loss (mean of {smooth} steps)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=150)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--preset", choices=sorted(PRESETS), help="model and run sizes (default: h200 on CUDA, "
+        "cpu elsewhere); the options below override it")  # fmt: skip
+    for key in ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len", "batch_size", "steps"):
+        add(f"--{key.replace('_', '-')}", type=int)
+    add("--lr", type=float)
+    add("--dtype", choices=sorted(DTYPES))
+    add("--configs", nargs="+", choices=CONFIGS, help="runs, bf16 first (default: bf16, "
+        "tensorwise, rowwise, and torchao-tensorwise when torchao is importable)")  # fmt: skip
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    add("--compile", action="store_true", help="torch.compile each transformer block")
+    add("--ac", action="store_true", help="activation checkpointing of each block")
+    add("--eval-batches", type=int, default=8)
+    add("--seed", type=int, default=0)
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--plot", help="write the loss curves to this PNG")
+    add("--json", help="write every run's losses and figures to this JSON file")
+    add("--quiet", action="store_true", help="no progress bars")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    preset = PRESETS[args.preset or ("h200" if args.device.startswith("cuda") else "cpu")]
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.configs is None:
+        args.configs = ["bf16", "tensorwise", "rowwise"]
+        if torchao_float8 is not None:
+            args.configs.append("torchao-tensorwise")
+    if args.configs[0] != "bf16":
+        args.configs = ["bf16", *[c for c in args.configs if c != "bf16"]]
+    missing = [c for c in args.configs if c.startswith("torchao-") and torchao_float8 is None]
+    if missing:
+        raise SystemExit(f"{', '.join(missing)}: torchao is not importable (pip install torchao)")
+    return args
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    args = resolve(args)
+    device = torch.device(args.device)
+    print(
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} | "
+        f"torch {torch.__version__} | model: {args.n_layers} layers, dim {args.dim}, "
+        f"{args.n_heads} heads, FFN {args.ffn_dim}, seq {args.seq_len}, batch {args.batch_size}"
+        f" x {args.grad_accum} micro-batches, {args.steps} steps, {args.dtype} parameters, "
+        f"compile={args.compile}, ac={args.ac}"
+    )
+    train_tokens, val_tokens = train_val_split(load_text_tokens())
+    fits = len(val_tokens) // (args.batch_size * (args.seq_len + 1))
+    data = {
+        "train": train_tokens,
+        "val": eval_batches(
+            val_tokens, args.batch_size, args.seq_len, max(1, min(args.eval_batches, fits))
+        ),
+    }
+    model_args = ModelArgs(
+        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, ffn_dim=args.ffn_dim,
+        max_seq_len=args.seq_len,
+    )  # fmt: skip
+    torch.manual_seed(args.seed)
+    with torch.device("cpu"):
+        initial = Transformer(model_args)
+    rows = []
+    for name in args.configs:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        torch._dynamo.reset()
+        rows.append(train(name, initial, data, args))
+    base_name = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+    print(markdown(compare(rows, base_name)))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args) | {"func": None}, "runs": rows}, handle)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"loss curves: {args.plot}")
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--plot-json", help="only plot a --json file of an earlier run to --plot")
+    parsed = parser.parse_args()
+    if parsed.plot_json:
+        with open(parsed.plot_json) as handle:
+            plot(json.load(handle)["runs"], parsed.plot or "loss.png")
+    else:
+        main(parsed)
