@@ -210,17 +210,17 @@ def _sync_group(entries, scale_fn: str) -> tuple[torch.Tensor, torch.Tensor]:  #
     lengths = [s.history.numel() for s in states]
     valid = (
         torch.arange(history.shape[1], device=history.device)[None, :]
-        < torch.tensor(lengths, device=history.device)[:, None]
+        < _constant(lengths, torch.int64, history.device)[:, None]
     )
     if scale_fn == "max":
         history_amax = torch.where(valid, history, 0).amax(dim=1)
     else:
         history_amax = history[:, 0]
-    fp8_max = torch.tensor(
-        [torch.finfo(entry[3].target_dtype).max for entry in entries], device=amax.device
+    fp8_max = _constant(
+        [torch.finfo(entry[3].target_dtype).max for entry in entries], torch.float32, amax.device
     )
     scale = fp8_max / history_amax.clamp(min=EPS)
-    pow2 = torch.tensor([entry[4] for entry in entries], device=amax.device)
+    pow2 = _constant([entry[4] for entry in entries], torch.bool, amax.device)
     scale = torch.where(pow2, round_down_to_power_of_2(scale), scale)
     old_scale = torch.stack([s.scale for s in states])
     scale = torch.where(finite, scale, old_scale)
@@ -233,6 +233,20 @@ def _sync_group(entries, scale_fn: str) -> tuple[torch.Tensor, torch.Tensor]:  #
     torch._foreach_copy_([s.initialized for s in states], list(initialized.unbind(0)))
     torch._foreach_zero_([s.amax for s in states])
     return finite, initialized
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _constant(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values)` on `device`, made once: a copy from pageable host memory to the
+    GPU waits for the GPU's queue to drain, which would stall every step's sync."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)  # a constant of the graph
+    key = (tuple(values), dtype, torch.device(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device)
+    return _CONSTANTS[key]
 
 
 def _stack_padded(histories: list[torch.Tensor]) -> torch.Tensor:
