@@ -1,0 +1,127 @@
+# ruff: noqa: B023  (each closure is called within the loop iteration that defines it)
+"""Where the time of a step goes on the GPU: per-kernel CUDA time (torch.profiler) and step
+times with dynamo's counters (frames, graph breaks).
+
+    python benchmarks/profile_steps.py layer     # one layer, ffn.w13 and attn.w0, fp8train and
+                                                 # torchao.float8, eager and compiled
+    python benchmarks/profile_steps.py demo      # the demo's CUDA model (8 layers, dim 1024),
+                                                 # bf16 and float8, eager and compiled
+    ONLY=1 python benchmarks/profile_steps.py demo   # float8 compiled only
+
+A diagnostic, not a benchmark table: the step times are single steps (the first includes
+compilation).
+"""
+
+import copy
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
+
+try:
+    import torchao.float8 as ao
+except ImportError:
+    ao = None
+
+
+def top(fn, n=14, steps=3):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    try:
+        print(
+            p.key_averages().table(
+                sort_by="self_device_time_total", row_limit=n, max_name_column_width=90
+            )
+        )
+    except Exception:
+        print(
+            p.key_averages().table(
+                sort_by="self_cuda_time_total", row_limit=n, max_name_column_width=90
+            )
+        )
+
+
+def layer_part():
+    for name, (m, k, n) in {"ffn.w13": (16384, 8192, 7168), "attn.w0": (16384, 1024, 8192)}.items():
+        ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        impls = {"ours": Float8Linear.from_float(copy.deepcopy(ref), Float8LinearConfig())}
+        if ao:
+            impls["torchao"] = ao.convert_to_float8_training(nn.Sequential(copy.deepcopy(ref)))
+        for key, mod in impls.items():
+            for comp in (False, True):
+                torch._dynamo.reset()
+                f = torch.compile(mod) if comp else mod
+                print(f"\n##### {name} {key} compiled={comp}")
+                top(lambda: f(x).backward(g))
+
+
+def demo_part():
+    a = ModelArgs(dim=1024, n_layers=8, ffn_dim=llama_ffn_dim(1024), n_heads=16, max_seq_len=1024)
+    torch.manual_seed(0)
+    base = Transformer(a)
+    inp = torch.randint(0, 256, (8, 1024), device="cuda")
+    import os
+
+    combos = (
+        [(True, True)]
+        if os.environ.get("ONLY")
+        else [(f, c) for f in (False, True) for c in (False, True)]
+    )
+    for fp8, comp in combos:
+        if True:
+            torch._dynamo.reset()
+            from torch._dynamo.utils import counters
+
+            counters.clear()
+            model = copy.deepcopy(base).to("cuda", torch.bfloat16)
+            if fp8:
+                convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+            fwd = torch.compile(model) if comp else model
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def step():
+                loss = F.cross_entropy(fwd(inp).float().flatten(0, 1), inp.flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            times = []
+            for _i in range(12):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times.append(round((time.perf_counter() - t) * 1e3, 1))
+            print(f"\n##### demo fp8={fp8} compiled={comp} step ms: {times}")
+            print(
+                "counters:",
+                {
+                    k: dict(v)
+                    for k, v in counters.items()
+                    if k in ("stats", "graph_break", "recompiles", "frames")
+                },
+            )
+            top(step, n=16, steps=2)
+
+
+if __name__ == "__main__":
+    parts = sys.argv[1:] or ["layer", "demo"]
+    for part in parts:
+        try:
+            {"layer": layer_part, "demo": demo_part}[part]()
+        except Exception:
+            traceback.print_exc()
