@@ -307,15 +307,22 @@ def linear_mm(
     used instead of casting it here and kept for backward."""
     input_2d = input.reshape(-1, input.shape[-1])
     state = state or {}
+    # Evaluation, no_grad, inference: no backward, so nothing is cast or kept for it.
+    backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
     input_for_output, input_for_backward = forward_operands(
-        input_2d, Role.INPUT, config, observer, state.get(Role.INPUT)
+        input_2d, Role.INPUT, config, observer, state.get(Role.INPUT), backward
     )
     if weight_casts is not None:
         weight_for_output, weight_for_backward = weight_casts
     else:
         weight_for_output, weight_for_backward = forward_operands(
-            weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT)
+            weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT), backward
         )
+    if not backward:
+        a = input_2d if input_for_output is None else input_for_output
+        b = weight if weight_for_output is None else weight_for_output
+        output = _gemm(Gemm.OUTPUT, a, b.t(), config, input_2d.dtype)
+        return output.reshape(*input.shape[:-1], output.shape[-1])
     output = _Float8Matmul.apply(
         input_2d,
         weight,

@@ -93,17 +93,19 @@ def forward_operands(
     config: Float8LinearConfig,
     observer: Observer | None = None,
     state: DelayedState | None = None,
+    backward: bool = True,
 ) -> tuple[Float8Tensor | None, Float8Tensor | None]:
     """The casts forward makes of `hp` (input (M, K) or weight (N, K)): for the output gemm
     (None: that gemm runs in high precision on `hp`), and a second cast that backward keeps
     when its gemm needs a different one (None: backward keeps `hp` or the first cast, see
     `kept_for_backward`). None instead of repeats: autograd.Function under torch.compile
-    refuses the same tensor twice."""
+    refuses the same tensor twice. `backward=False` (no gradient will be taken): only the
+    output gemm's cast."""
     if isinstance(hp, Float8Tensor):
         # Already float8: FSDP's float8 all-gather cast it (tensorwise, for both its gemms).
         return None, None
     backward_gemm = BACKWARD_GEMM[role]
-    keep = keeps_float8(config, role)
+    keep = backward and keeps_float8(config, role)
     shared = _shared(config, role)
     # The output gemm's cast is kept when backward shares it, and recomputed when backward
     # recasts the same cast from hp; a cast that backward never needs is left untagged (a

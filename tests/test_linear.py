@@ -137,3 +137,25 @@ def test_emulation_needs_no_alignment():
 def test_unsupported_weight_dtype_is_refused():
     with pytest.raises(ValueError, match="float64 is not float32, bfloat16 or float16"):
         Float8Linear.from_float(nn.Linear(64, 48).double())
+
+
+def test_no_grad_forward_casts_only_for_the_output_gemm(monkeypatch):
+    """Evaluation and inference: the same output, and no cast or copy kept for a backward
+    that will not run (one layout per operand)."""
+    import fp8train.cast
+
+    torch.manual_seed(0)
+    layer = Float8Linear(64, 32, bias=False, config=Float8LinearConfig())
+    x = torch.randn(16, 64)
+    layouts = []
+    original = fp8train.cast.cast_layouts
+
+    def counting(hp, dtype, granularity, layout, **kwargs):  # noqa: ANN001, ANN202
+        layouts.append(len(layout))
+        return original(hp, dtype, granularity, layout, **kwargs)
+
+    monkeypatch.setattr(fp8train.cast, "cast_layouts", counting)
+    with torch.no_grad():
+        evaluated = layer(x)
+    assert layouts == [1, 1]
+    assert torch.equal(evaluated, layer(x.requires_grad_()).detach())
