@@ -25,6 +25,7 @@ from fp8train.config import (
 from fp8train.convert import convert_to_float8_training
 from fp8train.delayed import strip_float8_state, sync_float8_amax_and_scale_history
 from fp8train.distributed import precompute_float8_dynamic_scale_for_fsdp
+from fp8train.filters import auto_filter
 from fp8train.linear import Float8Linear
 from fp8train.matmul import float8_matmul
 from fp8train.numerics import compute_error
@@ -45,6 +46,7 @@ __all__ = [
     "ScalingType",
     # top-level UX
     "convert_to_float8_training",
+    "auto_filter",
     "sync_float8_amax_and_scale_history",
     "strip_float8_state",
     "precompute_float8_dynamic_scale_for_fsdp",

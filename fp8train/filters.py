@@ -1,0 +1,116 @@
+"""A ready `module_filter_fn` that leaves out the layers too small for float8 to pay.
+
+    from fp8train.filters import auto_filter
+    convert_to_float8_training(model, module_filter_fn=auto_filter(tokens=batch * seq_len))
+
+It models the fwd+bwd time of each nn.Linear (M tokens, K in, N out) in high precision and in
+float8 and converts the layer where float8 is modelled faster by `margin`:
+
+    high precision  3 gemms of 2*M*K*N FLOPs at HP_FLOPS
+    float8          the gemms whose operands are cast at FP8_FLOPS (the others at HP_FLOPS),
+                    plus the bytes the casts move at CAST_BYTES_PER_S: per cast, the amax
+                    read, the cast read and one float8 write per layout; eager mode also pays
+                    EAGER_CPU_S of host time per layer, and the step takes the longer of the
+                    host's and the GPU's time
+
+The constants are fitted to the H200 measurements of benchmarks/results/
+(linear_h200_2026-12-03.md, torch 2.11, bf16): the three bf16 gemms of the LLaMA-70B shapes
+run at 630-680 TFLOP/s, the float8 gemms at ~1500, the casts' traffic at ~1.6 TB/s, and an eager
+Float8Linear costs ~1.9 ms of host time per fwd+bwd (which is why eager float8 loses on thin
+layers and on small models: the demo's 56 layers take ~110 ms a step). On other GPUs the
+constants are a guess: pass your own, or measure with `python -m fp8train bench-linear`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from fp8train.cast import cast_key
+from fp8train.config import Float8LinearConfig, Gemm, Role
+
+HP_BYTES = 2  # bf16 activations and weights
+
+
+@dataclass(frozen=True)
+class CostModel:
+    hp_flops: float = 670e12
+    fp8_flops: float = 1500e12
+    cast_bytes_per_s: float = 1.6e12
+    eager_cpu_s: float = 1.9e-3
+    compiled_overhead_s: float = 20e-6
+
+    def hp_time(self, m: int, k: int, n: int) -> float:
+        return 3 * 2 * m * k * n / self.hp_flops
+
+    def float8_time(
+        self, m: int, k: int, n: int, config: Float8LinearConfig, compiled: bool
+    ) -> float:
+        gemm_time = 0.0
+        for gemm in Gemm:
+            cast = all(cast_key(config, role, gemm) is not None for role in _OPERANDS[gemm])
+            gemm_time += 2 * m * k * n / (self.fp8_flops if cast else self.hp_flops)
+        gpu = gemm_time + _cast_bytes(m, k, n, config) / self.cast_bytes_per_s
+        if compiled:
+            return gpu + self.compiled_overhead_s
+        return max(gpu, self.eager_cpu_s)
+
+
+_OPERANDS = {
+    Gemm.OUTPUT: (Role.INPUT, Role.WEIGHT),
+    Gemm.GRAD_INPUT: (Role.GRAD_OUTPUT, Role.WEIGHT),
+    Gemm.GRAD_WEIGHT: (Role.GRAD_OUTPUT, Role.INPUT),
+}
+_GEMMS = {
+    Role.INPUT: (Gemm.OUTPUT, Gemm.GRAD_WEIGHT),
+    Role.WEIGHT: (Gemm.OUTPUT, Gemm.GRAD_INPUT),
+    Role.GRAD_OUTPUT: (Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT),
+}
+
+
+def _cast_bytes(m: int, k: int, n: int, config: Float8LinearConfig) -> float:
+    sizes = {Role.INPUT: m * k, Role.WEIGHT: n * k, Role.GRAD_OUTPUT: m * n}
+    total = 0.0
+    for role, gemms in _GEMMS.items():
+        keys = [cast_key(config, role, gemm) for gemm in gemms]
+        casts = [key for key in keys if key is not None]
+        if not casts:
+            continue
+        # One shared cast: amax + read + a float8 write per layout; else a full cast each.
+        distinct = 1 if len(casts) == 2 and casts[0] == casts[1] else len(casts)
+        per_cast = 2 * HP_BYTES + (len(casts) if distinct == 1 else 1)
+        passes = distinct
+        shared_by_two = len(casts) == 2 and distinct == 1
+        if role is Role.WEIGHT and config.recompute_weight_cast and shared_by_two:
+            passes, per_cast = 2, 2 * HP_BYTES + 1  # recast in backward
+        total += passes * per_cast * sizes[role]
+    return total
+
+
+def auto_filter(
+    tokens: int,
+    *,
+    config: Float8LinearConfig | None = None,
+    compiled: bool = True,
+    margin: float = 1.05,
+    model: CostModel | None = None,
+    also: Callable[[nn.Module, str], bool] | None = None,
+) -> Callable[[nn.Module, str], bool]:
+    """A `module_filter_fn` for `convert_to_float8_training`: True (convert) for the linear
+    layers whose modelled float8 fwd+bwd is at least `margin` times faster than high
+    precision at `tokens` tokens per step (batch * sequence length per micro-batch).
+    `compiled`: whether the model runs under torch.compile (eager float8 layers carry a host
+    cost of their own). `also`: a second filter that must agree (say, to leave out lm_head)."""
+    config = config or Float8LinearConfig()
+    model = model or CostModel()
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if also is not None and not also(module, fqn):
+            return False
+        k, n = module.in_features, module.out_features
+        hp = model.hp_time(tokens, k, n)
+        return hp >= margin * model.float8_time(tokens, k, n, config, compiled)
+
+    return keep
