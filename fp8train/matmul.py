@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from fp8train.cast import cast_for_gemm, cast_for_gemms, cast_key
 from fp8train.config import BLOCK, Float8LinearConfig, Gemm, Role, ScalingGranularity, ScalingType
 from fp8train.delayed import DelayedState, stateful_scale
-from fp8train.policy import Observer, forward_operands, kept_for_backward, observe_cast
+from fp8train.policy import (
+    Observer,
+    forward_operands,
+    kept_for_backward,
+    observe_cast,
+    shared_input_operands,
+)
 from fp8train.tensor import Float8Tensor
 
 ALIGNMENT = 16
@@ -309,8 +315,8 @@ def linear_mm(
     state = state or {}
     # Evaluation, no_grad, inference: no backward, so nothing is cast or kept for it.
     backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
-    input_for_output, input_for_backward = forward_operands(
-        input_2d, Role.INPUT, config, observer, state.get(Role.INPUT), backward
+    input_for_output, input_for_backward = shared_input_operands(
+        input, input_2d, config, observer, state.get(Role.INPUT), backward
     )
     if weight_casts is not None:
         weight_for_output, weight_for_backward = weight_casts

@@ -45,9 +45,10 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fp8train.cast import cast_for_gemm, cast_for_gemms, cast_key, with_layout
-from fp8train.config import Float8LinearConfig, Gemm, Role
+from fp8train.config import Float8LinearConfig, Gemm, Role, ScalingType
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.tensor import Float8Tensor
 
@@ -134,6 +135,54 @@ def forward_operands(
     for_backward = _tagged_cast(hp, role, backward_gemm, config, None)
     observe_cast(observer, role, backward_gemm, hp, for_backward)
     return for_output, for_backward
+
+
+# Eager mode: the casts of each input tensor, per cast configuration, while the tensor lives.
+_INPUT_CASTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def shared_input_operands(
+    input: torch.Tensor,
+    input_2d: torch.Tensor,
+    config: Float8LinearConfig,
+    observer: Observer | None,
+    state: DelayedState | None,
+    backward: bool,
+) -> tuple[Float8Tensor | None, Float8Tensor | None]:
+    """`forward_operands` of a layer's input, shared by every layer that reads the same input
+    tensor with the same casts: attention's q, k and v projections, the FFN's gate and up
+    projections. Cast once, kept for backward once, instead of once per layer.
+
+    Eager mode with dynamic scales only: compiled graphs merge identical casts themselves, a
+    delayed or static cast has its own layer's scale, and the stats observer wants every
+    layer's casts. Only for inputs made in this forward (with a grad_fn): a leaf the caller
+    feeds again and again (a benchmark's input, a batch kept around) must be cast each time,
+    and its casts must not outlive the step. A tensor modified in place (its version moved)
+    is cast again."""
+    if (
+        torch.compiler.is_compiling()  # first: dynamo cannot read grad_fn
+        or input.grad_fn is None
+        or state is not None
+        or observer is not None
+        or isinstance(input, Float8Tensor)
+        or config.cast_config(Role.INPUT, Gemm.OUTPUT).scaling_type is ScalingType.STATIC
+    ):
+        return forward_operands(input_2d, Role.INPUT, config, observer, state, backward)
+    key = (
+        input._version,
+        tuple(input_2d.shape),
+        cast_key(config, Role.INPUT, Gemm.OUTPUT),
+        cast_key(config, Role.INPUT, Gemm.GRAD_WEIGHT),
+        keeps_float8(config, Role.INPUT),
+        config.round_scales_to_power_of_2,
+        backward,
+    )
+    casts = _INPUT_CASTS.setdefault(input, {})
+    if key not in casts:
+        for stale in [k for k in casts if k[0] != input._version]:
+            del casts[stale]
+        casts[key] = forward_operands(input_2d, Role.INPUT, config, None, None, backward)
+    return casts[key]
 
 
 def kept_for_backward(

@@ -128,3 +128,54 @@ def test_every_policy_gives_the_same_gradients(granularity):
     for grad_input, grad_weight in results[1:]:
         assert torch.equal(grad_input, results[0][0])
         assert torch.equal(grad_weight, results[0][1])
+
+
+def test_layers_reading_one_input_share_its_cast_and_its_kept_copy(monkeypatch):
+    """q, k and v projections of one normed input: one cast, one float8 copy kept for
+    backward, the gradients of separate casts (the same bytes)."""
+    import fp8train.cast
+
+    torch.manual_seed(0)
+    projections = [Float8Linear(64, 32, bias=False) for _ in range(3)]
+    x = torch.randn(16, 64, requires_grad=True)
+
+    def run(share: bool):  # noqa: ANN202
+        calls = []
+        original = fp8train.cast.cast_layouts
+
+        def counting(hp, *args, **kwargs):  # noqa: ANN001, ANN202
+            calls.append(tuple(hp.shape))
+            return original(hp, *args, **kwargs)
+
+        monkeypatch.setattr(fp8train.cast, "cast_layouts", counting)
+        for layer in projections:
+            layer.weight.grad = None
+        x.grad = None
+        normed = x * 2  # made in this forward: shared; each a fresh tensor: not shared
+        outs = [layer(normed if share else x * 2) for layer in projections]
+        sum(out.square().sum() for out in outs).backward()
+        monkeypatch.undo()
+        grads = [x.grad.clone()] + [layer.weight.grad.clone() for layer in projections]
+        return calls.count((16, 64)), grads
+
+    shared_casts, shared_grads = run(share=True)
+    separate_casts, separate_grads = run(share=False)
+    assert (shared_casts, separate_casts) == (1, 3)
+    for a, b in zip(shared_grads, separate_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_leaf_input_is_cast_on_every_call(monkeypatch):
+    import fp8train.cast
+
+    layer = Float8Linear(64, 32, bias=False)
+    x = torch.randn(16, 64, requires_grad=True)
+    calls = []
+    original = fp8train.cast.cast_layouts
+    monkeypatch.setattr(
+        fp8train.cast,
+        "cast_layouts",
+        lambda hp, *a, **k: calls.append(hp.shape) or original(hp, *a, **k),
+    )
+    layer(x), layer(x)
+    assert calls.count(torch.Size([16, 64])) == 2
