@@ -153,8 +153,8 @@ def shared_input_operands(
     tensor with the same casts: attention's q, k and v projections, the FFN's gate and up
     projections. Cast once, kept for backward once, instead of once per layer.
 
-    Eager mode with dynamic scales only: compiled code is left to the compiler's own common
-    subexpression elimination (not checked yet), a
+    Eager mode with dynamic scales only: compiled code does not share (dynamo cannot trace the
+    lookup, and the compiled graph keeps one amax per layer: a gap), a
     delayed or static cast has its own layer's scale, and the stats observer wants every
     layer's casts. Only for inputs made in this forward (with a grad_fn): a leaf the caller
     feeds again and again (a benchmark's input, a batch kept around) must be cast each time,
