@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fp8train.cast import cast_for_gemms, cast_key
-from fp8train.config import Gemm, Role
+from fp8train.config import ROLE_GEMMS, Gemm, Role
 from fp8train.delayed import role_state, stateful_scale
 
 
@@ -61,7 +61,7 @@ def cast_weights_once(model: nn.Module) -> Iterator[None]:
 def _cast_weight(layer: nn.Module) -> tuple | None:
     config = layer.config
     weight = layer.weight
-    gemms = (Gemm.OUTPUT, Gemm.GRAD_INPUT)
+    gemms = ROLE_GEMMS[Role.WEIGHT]  # output, grad_input
     if cast_key(config, Role.WEIGHT, gemms[0]) is None:
         return None  # the output gemm runs in high precision: nothing to cache
     state = role_state(layer, Role.WEIGHT) if hasattr(layer, "fp8_scale_weight") else None

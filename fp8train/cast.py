@@ -11,7 +11,7 @@ import torch
 
 from fp8train.config import BLOCK, CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
 from fp8train.kernels import HAS_TRITON, cast_2d, empty_2d
-from fp8train.scaling import amax, amax_to_scale, blocks
+from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
 
 # The dim each operand is reduced along for rowwise scales: its inner dim in that gemm.
@@ -114,8 +114,7 @@ def cast_layouts(
         return [Float8Tensor(data[int(cm)], scale, hp.dtype, granularity) for cm in layouts]
     if record_amax is not None:
         with torch.no_grad():
-            hp_amax = amax(hp, ScalingGranularity.TENSORWISE, None)
-            record_amax.copy_(torch.maximum(record_amax, hp_amax))
+            raise_amax(record_amax, hp)
     if scale is None:
         scale = amax_to_scale(
             amax(hp, granularity, reduce_dim, block),
@@ -179,6 +178,10 @@ def _absent(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return torch.empty((0,), dtype=dtype or like.dtype, device=like.device)
 
 
+def _or_absent(data: torch.Tensor | None, hp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _absent(hp, dtype) if data is None else data
+
+
 def _fake_layouts(hp: torch.Tensor, dtype: torch.dtype, row: bool, col: bool) -> tuple:
     if hp.dim() != 2:
         shaped = (torch.empty_like(hp, dtype=dtype) for _ in range(2))
@@ -208,11 +211,9 @@ def _saturated_cast_op(
             hp, scale, float8_dtype, row_major=row_major, column_major=column_major,
             record_amax=record_amax,
         )  # fmt: skip
-        absent = _absent(hp, float8_dtype)
-        return (absent if row is None else row), (absent if col is None else col)
+        return _or_absent(row, hp, float8_dtype), _or_absent(col, hp, float8_dtype)
     if record_amax is not None:
-        hp_amax = amax(hp, ScalingGranularity.TENSORWISE, None)
-        record_amax.copy_(torch.maximum(record_amax, hp_amax))
+        raise_amax(record_amax, hp)
     return _layouts_of(_saturated_cast(hp, scale, float8_dtype), row_major, column_major)
 
 
@@ -238,8 +239,7 @@ def _cast_from_amax_op(
             hp, hp_amax, float8_dtype, row_major=row_major, column_major=column_major,
             scale_from_amax=True, round_to_power_of_2=round_to_power_of_2,
         )  # fmt: skip
-        absent = _absent(hp, float8_dtype)
-        return scale, (absent if row is None else row), (absent if col is None else col)
+        return scale, _or_absent(row, hp, float8_dtype), _or_absent(col, hp, float8_dtype)
     scale = amax_to_scale(hp_amax, float8_dtype, round_to_power_of_2=round_to_power_of_2)
     data = _saturated_cast(hp, scale, float8_dtype)
     return (scale, *_layouts_of(data, row_major, column_major))

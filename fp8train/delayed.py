@@ -27,7 +27,7 @@ from torch import nn
 
 from fp8train.cast import eager_kernel
 from fp8train.config import CastConfig, Float8LinearConfig, Gemm, Role, ScalingType
-from fp8train.scaling import EPS, amax_to_scale, round_down_to_power_of_2
+from fp8train.scaling import EPS, amax_to_scale, raise_amax, round_down_to_power_of_2
 
 
 class DelayedState(NamedTuple):
@@ -104,8 +104,7 @@ def stateful_scale(
         # the scale it was made with.
         return state.scale.clone(), state.amax
     with torch.no_grad():
-        current = torch.linalg.vector_norm(hp, ord=float("inf"), dtype=torch.float32)
-        state.amax.copy_(torch.maximum(state.amax, current))
+        current = raise_amax(state.amax, hp)
         fresh = amax_to_scale(current, cast.target_dtype, round_to_power_of_2=round_pow2)
         scale = torch.where(state.initialized, state.scale, fresh)
         return torch.where(torch.isfinite(current), scale, torch.nan), None

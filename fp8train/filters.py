@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fp8train.cast import cast_key
-from fp8train.config import Float8LinearConfig, Gemm, Role
+from fp8train.config import GEMM_OPERANDS, ROLE_GEMMS, Float8LinearConfig, Gemm, Role
 
 HP_BYTES = 2  # bf16 activations and weights
 
@@ -50,7 +50,7 @@ class CostModel:
     ) -> float:
         gemm_time = 0.0
         for gemm in Gemm:
-            cast = all(cast_key(config, role, gemm) is not None for role in _OPERANDS[gemm])
+            cast = all(cast_key(config, role, gemm) is not None for role in GEMM_OPERANDS[gemm])
             gemm_time += 2 * m * k * n / (self.fp8_flops if cast else self.hp_flops)
         gpu = gemm_time + _cast_bytes(m, k, n, config) / self.cast_bytes_per_s
         if compiled:
@@ -58,22 +58,10 @@ class CostModel:
         return max(gpu, self.eager_cpu_s)
 
 
-_OPERANDS = {
-    Gemm.OUTPUT: (Role.INPUT, Role.WEIGHT),
-    Gemm.GRAD_INPUT: (Role.GRAD_OUTPUT, Role.WEIGHT),
-    Gemm.GRAD_WEIGHT: (Role.GRAD_OUTPUT, Role.INPUT),
-}
-_GEMMS = {
-    Role.INPUT: (Gemm.OUTPUT, Gemm.GRAD_WEIGHT),
-    Role.WEIGHT: (Gemm.OUTPUT, Gemm.GRAD_INPUT),
-    Role.GRAD_OUTPUT: (Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT),
-}
-
-
 def _cast_bytes(m: int, k: int, n: int, config: Float8LinearConfig) -> float:
     sizes = {Role.INPUT: m * k, Role.WEIGHT: n * k, Role.GRAD_OUTPUT: m * n}
     total = 0.0
-    for role, gemms in _GEMMS.items():
+    for role, gemms in ROLE_GEMMS.items():
         keys = [cast_key(config, role, gemm) for gemm in gemms]
         casts = [key for key in keys if key is not None]
         if not casts:

@@ -76,3 +76,11 @@ def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     round up when s lies just below a power of 2.) Scales are never subnormal: the largest fp32
     amax still gives a normal scale."""
     return (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def raise_amax(buffer: torch.Tensor, hp: torch.Tensor) -> torch.Tensor:
+    """Raise the 0-d fp32 `buffer` to max |hp| in place (delayed scaling's running amax);
+    returns this tensor's own amax."""
+    current = amax(hp, ScalingGranularity.TENSORWISE, None)
+    buffer.copy_(torch.maximum(buffer, current))
+    return current

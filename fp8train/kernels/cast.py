@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from fp8train.scaling import EPS, amax_to_scale
+
 try:
     import triton
     import triton.language as tl
@@ -137,15 +139,11 @@ def cast_2d(
     scale_out = torch.empty((), device=hp.device) if scale_from_amax else scale
     if hp.numel() == 0:
         if scale_from_amax:
-            from fp8train.scaling import amax_to_scale
-
             scale_out = amax_to_scale(scale, float8_dtype, round_to_power_of_2=round_to_power_of_2)
         return scale_out, row, col
     scale_strides = (0, 0) if scale_from_amax else scale.expand(m, n).stride()
     any_out = row if row is not None else col
     grid = (triton.cdiv(m, _BLOCK_M), triton.cdiv(n, _BLOCK_N))
-    from fp8train.scaling import EPS
-
     _cast_kernel[grid](
         hp,
         scale,
