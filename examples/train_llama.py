@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+from benchmarks.utils import environment, markdown_table
 from fp8train import (
     CastConfig,
     Float8LinearConfig,
@@ -40,7 +41,7 @@ from fp8train import (
     sync_float8_amax_and_scale_history,
 )
 from fp8train.data import batches, eval_batches, load_text_tokens, train_val_split
-from fp8train.demo import evaluate, lm_loss
+from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize
 from fp8train.models import ModelArgs, Transformer
 
 try:
@@ -147,7 +148,7 @@ def train(name: str, initial: Transformer, data: dict, args: argparse.Namespace)
     for step in tqdm(range(args.steps), desc=name, disable=args.quiet, leave=False):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         once = cast_weights_once(model) if ours and args.grad_accum > 1 else nullcontext()
         total = torch.zeros((), device=device)
@@ -181,14 +182,6 @@ def train(name: str, initial: Transformer, data: dict, args: argparse.Namespace)
     return result
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def compare(rows: list[dict], base_name: str) -> list[dict]:
     """Each run against the first (no float8): tokens/s and memory ratios, loss differences
     in %."""
@@ -213,20 +206,9 @@ def compare(rows: list[dict], base_name: str) -> list[dict]:
     return table
 
 
-def markdown(table: list[dict]) -> str:
-    def cell(value: object) -> str:
-        if value is None:
-            return "-"
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    columns = list(table[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in table]
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: str, smooth: int = 10) -> None:
-    """Loss curves of every run, from `main`'s rows or a --json file's "runs"."""
+def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> None:
+    """Loss curves of every run, from `main`'s rows or a --json file's "runs"; `caption`
+    (the GPU, torch, date and command) under the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,8 +223,15 @@ def plot(rows: list[dict], path: str, smooth: int = 10) -> None:
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(f"train loss (mean of {smooth} steps)")
     axes.legend()
-    figure.tight_layout()
+    if caption:
+        figure.text(0.01, 0.01, caption, fontsize=6, wrap=True)
+    figure.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
     figure.savefig(path, dpi=150)
+
+
+def caption_of(environment: dict[str, str]) -> str:
+    keys = ("device", "torch", "date", "command")
+    return " | ".join(environment[key] for key in keys if key in environment)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -316,13 +305,17 @@ def main(args: argparse.Namespace) -> list[dict]:
             torch.cuda.reset_peak_memory_stats(device)
         torch._dynamo.reset()
         rows.append(train(name, initial, data, args))
-    base_name = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
-    print(markdown(compare(rows, base_name)))
+    base_name = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[args.dtype]
+    # A cell left empty where a figure does not exist (peak memory on the CPU).
+    table = [{k: v for k, v in row.items() if v is not None} for row in compare(rows, base_name)]
+    print(markdown_table(table, list(table[0])))
+    run_environment = environment()
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"args": vars(args) | {"func": None}, "runs": rows}, handle)
+            record = {"args": vars(args) | {"func": None}, "environment": run_environment}
+            json.dump(record | {"runs": rows}, handle)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, caption_of(run_environment))
         print(f"loss curves: {args.plot}")
     return rows
 
@@ -331,9 +324,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     parser.add_argument("--plot-json", help="only plot a --json file of an earlier run to --plot")
+    parser.add_argument("--caption", help="with --plot-json: the caption (default: the file's)")
     parsed = parser.parse_args()
     if parsed.plot_json:
         with open(parsed.plot_json) as handle:
-            plot(json.load(handle)["runs"], parsed.plot or "loss.png")
+            record = json.load(handle)
+        caption = parsed.caption or caption_of(record.get("environment", {}))
+        plot(record["runs"], parsed.plot or "loss.png", caption)
     else:
         main(parsed)

@@ -186,7 +186,7 @@ def evaluate(model: nn.Module, batches_: list[tuple[torch.Tensor, torch.Tensor]]
     return sum(losses) / len(losses)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -212,14 +212,14 @@ def train_run(
     progress = tqdm(range(args.steps), desc=name, disable=args.quiet, leave=False)
     for _ in progress:
         inputs, targets = (t.to(device) for t in next(stream))
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         loss = lm_loss(forward, inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # also waits for the step on CUDA
-        _synchronize(device)
+        synchronize(device)
         step_times.append(time.perf_counter() - start)
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
     timed = step_times[WARMUP_STEPS:] or step_times
