@@ -1,4 +1,7 @@
-"""Shared test helpers: devices with a reason when one is skipped, and seeding."""
+"""Shared test helpers: devices with a reason when one is skipped, seeding, and a recorder of
+the casts a layer makes."""
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -46,3 +49,25 @@ def hp_grad_weight_config(**kwargs) -> Float8LinearConfig:
         cast_config_grad_output_for_grad_weight=disabled,
         **kwargs,
     )
+
+
+class CastCall(NamedTuple):
+    data_ptr: int
+    shape: tuple[int, ...]
+    layouts: int
+
+
+def record_casts(monkeypatch: pytest.MonkeyPatch) -> list[CastCall]:
+    """Records every cast (fp8train.cast.cast_layouts) from now on: the input's data pointer
+    and shape, and how many layouts it was written in."""
+    import fp8train.cast
+
+    calls: list[CastCall] = []
+    original = fp8train.cast.cast_layouts
+
+    def recording(hp, float8_dtype, granularity, layouts, **kwargs):  # noqa: ANN001, ANN202
+        calls.append(CastCall(hp.data_ptr(), tuple(hp.shape), len(layouts)))
+        return original(hp, float8_dtype, granularity, layouts, **kwargs)
+
+    monkeypatch.setattr(fp8train.cast, "cast_layouts", recording)
+    return calls

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import fp8train.cast
 from fp8train import Float8LinearConfig, cast_weights_once, convert_to_float8_training
+from tests.conftest import record_casts
 
 MICRO_BATCHES = 4
 
@@ -29,19 +29,12 @@ def accumulate(model: nn.Module, inputs: list[torch.Tensor], once: bool, forward
             forward(x).square().mean().backward()
 
 
-def weight_casts(monkeypatch, model: nn.Module) -> list[int]:  # noqa: ANN001
-    """Counts the casts whose input is one of the model's weights."""
+def weight_casts(monkeypatch, model: nn.Module):  # noqa: ANN001, ANN201
+    """From now on, counts the casts whose input is one of the model's weights: call the
+    result for the count so far."""
     weights = {p.data_ptr() for p in model.parameters() if p.dim() == 2}
-    calls = []
-    original = fp8train.cast.cast_layouts
-
-    def counting(hp, *args, **kwargs):  # noqa: ANN001, ANN202
-        if hp.data_ptr() in weights:
-            calls.append(hp.data_ptr())
-        return original(hp, *args, **kwargs)
-
-    monkeypatch.setattr(fp8train.cast, "cast_layouts", counting)
-    return calls
+    calls = record_casts(monkeypatch)
+    return lambda: sum(call.data_ptr in weights for call in calls)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -58,7 +51,7 @@ def test_one_cast_per_step_gives_the_gradients_of_one_cast_per_micro_batch(
     casts = weight_casts(monkeypatch, once)
     accumulate(once, inputs, once=True)
     # Tensorwise: one cast of each weight serves both its gemms; rowwise needs one per gemm.
-    assert len(casts) == 2 * (1 if recipe == "tensorwise" else 2)
+    assert casts() == 2 * (1 if recipe == "tensorwise" else 2)
     for a, b in zip(per_micro_batch.parameters(), once.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
 
@@ -70,7 +63,7 @@ def test_without_the_block_each_micro_batch_casts_again(monkeypatch):
     # Per micro-batch: each layer's forward cast, and the recast for the grad_input gemm in
     # backward (recompute_weight_cast=True), which the first layer has none of (its input
     # needs no gradient).
-    assert len(casts) == (1 + 2) * MICRO_BATCHES
+    assert casts() == (1 + 2) * MICRO_BATCHES
 
 
 def test_a_weight_changed_inside_the_block_raises():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fp8train import Float8Linear, Float8LinearConfig, compute_error
-from tests.conftest import DEVICES, all_roles_config, hp_grad_weight_config
+from tests.conftest import DEVICES, all_roles_config, hp_grad_weight_config, record_casts
 
 # SQNR floors in dB against the fp32 layer (20 dB: 10% of the signal's norm).
 OUTPUT_SQNR = 20.0
@@ -142,20 +142,11 @@ def test_unsupported_weight_dtype_is_refused():
 def test_no_grad_forward_casts_only_for_the_output_gemm(monkeypatch):
     """Evaluation and inference: the same output, and no cast or copy kept for a backward
     that will not run (one layout per operand)."""
-    import fp8train.cast
-
     torch.manual_seed(0)
     layer = Float8Linear(64, 32, bias=False, config=Float8LinearConfig())
     x = torch.randn(16, 64)
-    layouts = []
-    original = fp8train.cast.cast_layouts
-
-    def counting(hp, dtype, granularity, layout, **kwargs):  # noqa: ANN001, ANN202
-        layouts.append(len(layout))
-        return original(hp, dtype, granularity, layout, **kwargs)
-
-    monkeypatch.setattr(fp8train.cast, "cast_layouts", counting)
+    calls = record_casts(monkeypatch)
     with torch.no_grad():
         evaluated = layer(x)
-    assert layouts == [1, 1]
+    assert [call.layouts for call in calls] == [1, 1]
     assert torch.equal(evaluated, layer(x.requires_grad_()).detach())

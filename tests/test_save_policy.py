@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8train import Float8Linear, Float8LinearConfig
-from tests.conftest import all_roles_config, hp_grad_weight_config
+from tests.conftest import all_roles_config, hp_grad_weight_config, record_casts
 
 M, K, N = 64, 96, 48
 E4M3 = torch.float8_e4m3fn
@@ -133,21 +133,12 @@ def test_every_policy_gives_the_same_gradients(granularity):
 def test_layers_reading_one_input_share_its_cast_and_its_kept_copy(monkeypatch):
     """q, k and v projections of one normed input: one cast, one float8 copy kept for
     backward, the gradients of separate casts (the same bytes)."""
-    import fp8train.cast
-
     torch.manual_seed(0)
     projections = [Float8Linear(64, 32, bias=False) for _ in range(3)]
     x = torch.randn(16, 64, requires_grad=True)
 
     def run(share: bool):  # noqa: ANN202
-        calls = []
-        original = fp8train.cast.cast_layouts
-
-        def counting(hp, *args, **kwargs):  # noqa: ANN001, ANN202
-            calls.append(tuple(hp.shape))
-            return original(hp, *args, **kwargs)
-
-        monkeypatch.setattr(fp8train.cast, "cast_layouts", counting)
+        calls = record_casts(monkeypatch)
         for layer in projections:
             layer.weight.grad = None
         x.grad = None
@@ -156,7 +147,7 @@ def test_layers_reading_one_input_share_its_cast_and_its_kept_copy(monkeypatch):
         sum(out.square().sum() for out in outs).backward()
         monkeypatch.undo()
         grads = [x.grad.clone()] + [layer.weight.grad.clone() for layer in projections]
-        return calls.count((16, 64)), grads
+        return [call.shape for call in calls].count((16, 64)), grads
 
     shared_casts, shared_grads = run(share=True)
     separate_casts, separate_grads = run(share=False)
@@ -166,16 +157,8 @@ def test_layers_reading_one_input_share_its_cast_and_its_kept_copy(monkeypatch):
 
 
 def test_a_leaf_input_is_cast_on_every_call(monkeypatch):
-    import fp8train.cast
-
     layer = Float8Linear(64, 32, bias=False)
     x = torch.randn(16, 64, requires_grad=True)
-    calls = []
-    original = fp8train.cast.cast_layouts
-    monkeypatch.setattr(
-        fp8train.cast,
-        "cast_layouts",
-        lambda hp, *a, **k: calls.append(hp.shape) or original(hp, *a, **k),
-    )
+    calls = record_casts(monkeypatch)
     layer(x), layer(x)
-    assert calls.count(torch.Size([16, 64])) == 2
+    assert [call.shape for call in calls].count((16, 64)) == 2
