@@ -16,6 +16,8 @@ Configs:
     fp8 recompute-weight    the default: backward recasts the weight
     fp8 float8-all-gather   the default with enable_fsdp_float8_all_gather=True
     fp8 all-gather+precompute  the same, scales for all weights in one all-reduce per step
+    fp8 delayed             delayed scaling of input, weight and grad_output (amax history,
+                            one sync per step; hp all-gather)
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from benchmarks.utils import markdown_table, print_environment, write_csv
 from fp8train import (
+    CastConfig,
     Float8LinearConfig,
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
+    sync_float8_amax_and_scale_history,
 )
 from fp8train.models import ModelArgs, Transformer, TransformerBlock
 
@@ -44,6 +48,11 @@ CONFIGS: dict[str, Float8LinearConfig | None] = {
     "fp8 recompute-weight": Float8LinearConfig(),
     "fp8 float8-all-gather": Float8LinearConfig(enable_fsdp_float8_all_gather=True),
     "fp8 all-gather+precompute": Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+    "fp8 delayed": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="delayed"),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        cast_config_grad_output=CastConfig(scaling_type="delayed"),
+    ),
 }
 
 
@@ -84,6 +93,8 @@ def train(args: argparse.Namespace, name: str, mesh, device: torch.device) -> di
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
+        if name == "fp8 delayed":
+            sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if name == "fp8 all-gather+precompute":
