@@ -23,6 +23,7 @@ Configs:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -84,6 +85,11 @@ def build(args: argparse.Namespace, name: str, mesh, device: torch.device) -> to
 
 
 def train(args: argparse.Namespace, name: str, mesh, device: torch.device) -> dict:  # noqa: ANN001
+    # FSDP2's modules and their hooks form reference cycles: the previous config's model is
+    # only freed by the cycle collector, and would otherwise count in this config's peak.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     model = build(args, name, mesh, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -111,7 +117,7 @@ def train(args: argparse.Namespace, name: str, mesh, device: torch.device) -> di
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = torch.tensor(time.perf_counter() - start)
+    elapsed = torch.tensor(time.perf_counter() - start, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     row = {"config": name, "iterations/s": args.steps / elapsed.item()}
     if device.type == "cuda":
