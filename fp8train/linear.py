@@ -132,8 +132,19 @@ class Float8Linear(nn.Linear):
                 missing_keys.remove(key)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
-        # .to(device) / .cuda() land here: refuse a GPU without float8 gemms when moved to it.
-        module = super()._apply(fn, recurse)
+        # .to(device) / .cuda() / .bfloat16() land here. The delayed-scaling state keeps its
+        # dtype (fp32) while it moves: a bf16 amax history would round every amax and scale,
+        # and the cast kernel records amaxes into it with fp32 atomics.
+        state = {id(self._buffers[name]) for name in buffer_names(self.config)}
+
+        def keep_dtype(tensor: torch.Tensor) -> torch.Tensor:
+            moved = fn(tensor)
+            if id(tensor) in state and moved.dtype != tensor.dtype:
+                return tensor.to(device=moved.device)
+            return moved
+
+        module = super()._apply(keep_dtype, recurse)
+        # Refuse a GPU without float8 gemms when moved to it.
         check_device(self.weight.device, self.config, self.fqn)
         return module
 

@@ -228,6 +228,39 @@ def test_sync_marks_scales_ready_and_a_load_clears_the_mark():
     assert layer._fp8_ready_roles == set()
 
 
+@pytest.mark.parametrize("cast", ["to", "bfloat16", "half", "double"])
+def test_delayed_state_stays_fp32_when_the_model_changes_dtype(cast):
+    """model.to(bf16) and friends convert parameters, not the scaling state: an amax history
+    in bf16 would round every amax and scale."""
+    model = nn.Sequential(nn.Linear(K, N, bias=False))
+    convert_to_float8_training(model, config=delayed_config())
+    model[0].fp8_amax_history_input[0] = 1 + 2**-20  # not representable in bf16 or fp16
+    model = model.to(torch.bfloat16) if cast == "to" else getattr(model, cast)()
+    layer = model[0]
+    assert layer.weight.dtype != torch.float32
+    for name in ("amax", "amax_history", "scale"):
+        for role in ("input", "weight", "grad_output"):
+            assert getattr(layer, f"fp8_{name}_{role}").dtype == torch.float32, (name, role)
+    assert layer.fp8_initialized_input.dtype == torch.bool
+    assert layer.fp8_amax_history_input[0].item() == 1 + 2**-20
+
+
+@pytest.mark.skipif(FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON))
+def test_a_bf16_delayed_model_trains_in_one_pass_on_the_gpu():
+    """The one-pass cast records amaxes with fp32 atomics: a model moved and cast with
+    .to("cuda", torch.bfloat16) must keep fp32 state for it."""
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.ReLU(), nn.Linear(512, 256))
+    convert_to_float8_training(model, config=delayed_config())
+    model = model.to("cuda", torch.bfloat16)
+    for _ in range(3):
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        sync_float8_amax_and_scale_history(model)
+        assert torch.isfinite(loss)
+    assert model[0]._fp8_ready_roles and model[0].fp8_amax_grad_output.dtype == torch.float32
+
+
 @pytest.mark.skipif(FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON))
 def test_one_pass_delayed_cast_equals_the_two_pass_cast_on_the_gpu():
     """From the second step on, the eager CUDA cast records the amax in its own pass: the
