@@ -160,13 +160,18 @@ def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torc
 
     total = 0
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> None:
         nonlocal total
         total += count(t)
-        return t
+        # Nothing is kept: returning t itself would make a tensor that its own grad_fn saves
+        # (an op's output) hold that node, a cycle through C++ that the garbage collector
+        # cannot see, and the whole forward's activations would outlive this function.
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("saved_activation_bytes runs forward only")
 
     # Forward alone suffices (tensors are saved as it runs); the graph is freed on return.
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         lm_loss(model, inputs, targets)
     return total
 

@@ -1,4 +1,5 @@
 import argparse
+import gc
 import math
 import sys
 
@@ -16,7 +17,7 @@ from fp8train.data import (
     load_text_tokens,
     train_val_split,
 )
-from fp8train.demo import add_demo_arguments, run_demo, to_float8
+from fp8train.demo import add_demo_arguments, run_demo, saved_activation_bytes, to_float8
 from fp8train.models import ModelArgs, Transformer
 
 # Small enough that both runs take about a second on two CPU cores. fp32: CPU bf16 is slow.
@@ -144,3 +145,23 @@ def test_model_forward_shape_init_and_causality() -> None:
     changed = tokens.clone()
     changed[:, -1] = (changed[:, -1] + 1) % args.vocab_size
     torch.testing.assert_close(model(changed)[:, :-1], logits[:, :-1])
+
+
+@pytest.mark.parametrize("float8", [False, True], ids=["hp", "float8"])
+def test_counting_saved_activations_frees_them(float8: bool) -> None:
+    """The count runs a forward and must leave nothing of it alive: the demo's second run would
+    otherwise carry the first run's activations in its peak memory."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=32))
+    if float8:
+        model = to_float8(model, argparse.Namespace(emulate=False, recompute_weight_cast=True,
+                                                    recompute_input_cast=None))  # fmt: skip
+    tokens = torch.randint(0, 256, (4, 33))
+
+    def graph_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if torch.is_tensor(o) and o.grad_fn is not None)
+
+    before = graph_tensors()
+    assert saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:]) > 0
+    assert graph_tensors() == before
