@@ -246,18 +246,24 @@ def test_delayed_state_stays_fp32_when_the_model_changes_dtype(cast):
 
 
 @pytest.mark.skipif(FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON))
-def test_a_bf16_delayed_model_trains_in_one_pass_on_the_gpu():
-    """The one-pass cast records amaxes with fp32 atomics: a model moved and cast with
-    .to("cuda", torch.bfloat16) must keep fp32 state for it."""
+def test_a_bf16_delayed_model_trains_on_the_gpu():
+    """A model cast with .to("cuda", torch.bfloat16): fp32 state for the kernels' atomics, and
+    finite gradients in the first (two-pass) step and the later one-pass steps. (A bf16
+    grad_output with a delayed scale once gave NaN grad_inputs.)"""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.ReLU(), nn.Linear(512, 256))
     convert_to_float8_training(model, config=delayed_config())
     model = model.to("cuda", torch.bfloat16)
-    for _ in range(3):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
         x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         loss = model(x).float().square().mean()
         loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
         sync_float8_amax_and_scale_history(model)
-        assert torch.isfinite(loss)
+        optimizer.step()
+        optimizer.zero_grad()
     assert model[0]._fp8_ready_roles and model[0].fp8_amax_grad_output.dtype == torch.float32
 
 

@@ -134,6 +134,32 @@ def test_cast_kernel_scales_from_the_amax_bit_for_bit_in_both_layouts(
 
 
 @needs_triton_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("float8_dtype", FLOAT8, ids=str)
+@pytest.mark.parametrize("hp_dtype", HP, ids=str)
+@pytest.mark.parametrize(("granularity", "reduce_dim"), SCALINGS)
+@pytest.mark.parametrize("record", [False, True], ids=["", "record-amax"])
+def test_cast_kernel_with_a_given_scale_in_both_layouts(
+    shape, float8_dtype, hp_dtype, granularity, reduce_dim, record
+):
+    """Delayed, static and rowwise casts give the scale and ask for both layouts (a bf16
+    grad_output with a delayed scale once came out with NaNs here)."""
+    if record and granularity != "tensorwise":
+        pytest.skip("the amax is recorded for tensorwise (delayed) casts only")
+    hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
+    scale = amax_to_scale(amax(hp, ScalingGranularity(granularity), reduce_dim), float8_dtype)
+    buffer = torch.zeros((), device="cuda") if record else None
+    _, row, col = cast_2d(
+        hp, scale, float8_dtype, row_major=True, column_major=True, record_amax=buffer
+    )
+    reference = _bytes(_saturated_cast(hp, scale, float8_dtype))
+    assert row.is_contiguous() and col.t().is_contiguous()
+    assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference)
+    if record:
+        assert torch.equal(buffer, amax(hp, ScalingGranularity.TENSORWISE, None))
+
+
+@needs_triton_gpu
 @pytest.mark.parametrize(
     "amax_value", [0.0, 1e-30, 3e-5, 1.0, 447.9, 448.0, 1e30, 3.3e38, float("inf"), float("nan")]
 )

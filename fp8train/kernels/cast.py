@@ -125,9 +125,11 @@ def cast_2d(
     m, n = hp.shape
     if not (row_major or column_major):
         raise ValueError("cast_2d needs at least one layout to write")
-    if row_major and column_major and hp.dtype == torch.float32:
-        # Both stores from one fp32 tile came out wrong in the column-major copy on the H200
-        # (torch 2.11's Triton; 16-bit inputs and single stores are exact): two launches.
+    if row_major and column_major and (hp.dtype == torch.float32 or not scale_from_amax):
+        # Both stores from one tile are exact on the H200 (torch 2.11's Triton) only for a
+        # 16-bit input with the scale computed in the kernel. From fp32 the column-major copy
+        # came out wrong; with a given scale (delayed, static, rowwise) a bf16 grad_output
+        # came out with NaNs. Everything else: two launches, one store each.
         scale, row, _ = cast_2d(
             hp, scale, float8_dtype, scale_from_amax=scale_from_amax,
             round_to_power_of_2=round_to_power_of_2, record_amax=record_amax,
