@@ -155,8 +155,9 @@ def shared_input_operands(
 
     Eager mode with dynamic scales only: compiled code does not share (dynamo cannot trace the
     lookup, and the compiled graph keeps one amax per layer: a gap), a
-    delayed or static cast has its own layer's scale, and the stats observer wants every
-    layer's casts. Only for inputs made in this forward (with a grad_fn): a leaf the caller
+    delayed or static cast has its own layer's scale, the stats observer wants every
+    layer's casts, and where backward keeps the hp input (recompute_input_cast=True) the
+    shared float8 copy would be memory that nothing keeps otherwise. Only for inputs made in this forward (with a grad_fn): a leaf the caller
     feeds again and again (a benchmark's input, a batch kept around) must be cast each time,
     and its casts must not outlive the step. A tensor modified in place (its version moved)
     is cast again. The casts live as long as the input tensor: where something else keeps
@@ -169,6 +170,9 @@ def shared_input_operands(
         or observer is not None
         or isinstance(input, Float8Tensor)
         or config.cast_config(Role.INPUT, Gemm.OUTPUT).scaling_type is ScalingType.STATIC
+        # Backward keeps the hp input: a shared cast would live with it until backward, a
+        # float8 copy that an unshared cast frees as soon as its gemm is done.
+        or not keeps_float8(config, Role.INPUT)
     ):
         return forward_operands(input_2d, Role.INPUT, config, observer, state, backward)
     key = (

@@ -156,6 +156,22 @@ def test_layers_reading_one_input_share_its_cast_and_its_kept_copy(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_an_input_kept_in_high_precision_is_not_shared(monkeypatch):
+    """recompute_input_cast=True keeps the hp input for backward: a shared float8 copy would
+    live with it until backward, so each layer casts for itself and drops its cast."""
+    from fp8train.policy import _INPUT_CASTS
+
+    config = Float8LinearConfig(recompute_input_cast=True)
+    projections = [Float8Linear(64, 32, bias=False, config=config) for _ in range(3)]
+    x = torch.randn(16, 64, requires_grad=True)
+    calls = record_casts(monkeypatch)
+    normed = x * 2
+    outs = [layer(normed) for layer in projections]
+    assert [call.shape for call in calls].count((16, 64)) == 3
+    assert normed not in _INPUT_CASTS
+    sum(out.sum() for out in outs).backward()
+
+
 def test_a_leaf_input_is_cast_on_every_call(monkeypatch):
     layer = Float8Linear(64, 32, bias=False)
     x = torch.randn(16, 64, requires_grad=True)
