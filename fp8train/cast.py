@@ -8,6 +8,7 @@ feeds, so the same tensor can need a different cast for each of its two gemms.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fp8train.config import BLOCK, CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
 from fp8train.kernels import HAS_TRITON, cast_2d, empty_2d
@@ -77,7 +78,15 @@ def quantize(
 def eager_kernel(hp: torch.Tensor) -> bool:
     """True where the Triton kernels run: eager CUDA, 2-D. Compiled code keeps the torch path,
     which inductor fuses with the amax and with whatever produced hp."""
-    return hp.is_cuda and hp.dim() == 2 and HAS_TRITON and not torch.compiler.is_compiling()
+    return (
+        hp.is_cuda
+        and hp.dim() == 2
+        and HAS_TRITON
+        and not torch.compiler.is_compiling()
+        # A DTensor (tensor parallelism) has no kernel of ours: it takes the torch path,
+        # whose reductions DTensor makes global.
+        and not is_traceable_wrapper_subclass(hp)
+    )
 
 
 def cast_layouts(
@@ -299,6 +308,10 @@ def cast_for_gemms(
 ) -> list[torch.Tensor]:
     """One cast of `hp` for several gemms that share it (the same `cast_key`), each in the
     layout its gemm needs: on CUDA the kernel writes every layout from one read of `hp`."""
+    if isinstance(hp, Float8Tensor):
+        # Cast already, before a float8 all-gather (Float8RowwiseParallel's grad_output),
+        # with the tensorwise dynamic cast that style requires.
+        return [with_layout(hp, role, gemm) for gemm in gemms]
     cast: CastConfig = config.cast_config(role, gemms[0])
     if not cast.enabled:
         return [hp for _ in gemms]

@@ -15,6 +15,7 @@ from fp8train.matmul import (
     tokens_misaligned,
     uses_blockwise,
 )
+from fp8train.tensor import Float8Tensor
 
 
 class Float8Linear(nn.Linear):
@@ -51,7 +52,7 @@ class Float8Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):
+        if torch.is_autocast_enabled(device_type) and not isinstance(input, Float8Tensor):
             # Autocast does not see inside the float8 matmul: apply its dtype here, as it
             # would for nn.Linear.
             input = input.to(torch.get_autocast_dtype(device_type))

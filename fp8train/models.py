@@ -86,16 +86,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_heads, self.head_dim)
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # SDPA wants (B, H, T, Dh).
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.wo(out.transpose(1, 2).reshape(B, T, D))
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):

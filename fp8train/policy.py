@@ -59,7 +59,8 @@ Observer = Callable[[Role, Gemm, torch.Tensor, Float8Tensor], None]
 def observe_cast(
     observer: Observer | None, role: Role, gemm: Gemm, hp: torch.Tensor, fp8: torch.Tensor | None
 ) -> None:
-    if observer is not None and isinstance(fp8, Float8Tensor):
+    # A tensor that arrived in float8 (cast before an all-gather) has no hp to compare with.
+    if observer is not None and isinstance(fp8, Float8Tensor) and not isinstance(hp, Float8Tensor):
         observer(role, gemm, hp, fp8)
 
 
@@ -154,15 +155,15 @@ def shared_input_operands(
     projections. Cast once, kept for backward once, instead of once per layer.
 
     Eager mode with dynamic scales only: compiled code does not share (dynamo cannot trace the
-    lookup, and the compiled graph keeps one amax per layer: a gap), a
-    delayed or static cast has its own layer's scale, the stats observer wants every
-    layer's casts, and where backward keeps the hp input (recompute_input_cast=True) the
-    shared float8 copy would be memory that nothing keeps otherwise. Only for inputs made in this forward (with a grad_fn): a leaf the caller
-    feeds again and again (a benchmark's input, a batch kept around) must be cast each time,
-    and its casts must not outlive the step. A tensor modified in place (its version moved)
-    is cast again. The casts live as long as the input tensor: where something else keeps
-    that tensor until backward, the output gemm's float8 copy stays with it (1 byte per
-    element, against the 1 byte per element per extra layer that sharing saves)."""
+    lookup, and the compiled graph keeps one amax per layer: a gap), a delayed or static cast
+    has its own layer's scale, the stats observer wants every layer's casts, and where
+    backward keeps the hp input (recompute_input_cast=True) a shared float8 copy would be
+    memory that nothing else keeps. Only for inputs made in this forward (with a grad_fn): a
+    leaf the caller feeds again and again (a benchmark's input, a batch kept around) must be
+    cast each time, and its casts must not outlive the step. A tensor modified in place (its
+    version moved) is cast again. The casts live as long as the input tensor: where something
+    else keeps that tensor until backward, the output gemm's float8 copy stays with it (1 byte
+    per element, against the 1 byte per element per extra layer that sharing saves)."""
     if (
         torch.compiler.is_compiling()  # first: dynamo cannot read grad_fn
         or input.grad_fn is None
