@@ -154,8 +154,8 @@ def shared_input_operands(
     tensor with the same casts: attention's q, k and v projections, the FFN's gate and up
     projections. Cast once, kept for backward once, instead of once per layer.
 
-    Eager mode with dynamic scales only: compiled code does not share (dynamo cannot trace the
-    lookup, and the compiled graph keeps one amax per layer: a gap), a delayed or static cast
+    Eager mode with dynamic scales only: compiled code needs no lookup (the compile
+    partitioner's CSE merges the identical casts, tests/test_compile.py), a delayed or static cast
     has its own layer's scale, the stats observer wants every layer's casts, and where
     backward keeps the hp input (recompute_input_cast=True) a shared float8 copy would be
     memory that nothing else keeps. Only for inputs made in this forward (with a grad_fn): a

@@ -67,7 +67,11 @@ def amax_to_scale(
     scale = torch.finfo(float8_dtype).max / amax.clamp(min=EPS)
     if round_to_power_of_2:
         scale = round_down_to_power_of_2(scale)
-    return torch.where(torch.isfinite(amax), scale, torch.nan)
+    # amax - amax is 0 for a finite amax and NaN otherwise. No NaN constant: the compile
+    # partitioner's CSE compares op arguments with ==, and NaN != NaN, so a NaN literal (or a
+    # scalar tensor made per call) kept it from merging the identical casts of an input that
+    # several layers read (attention's q, k and v).
+    return scale + (amax - amax)
 
 
 def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:

@@ -175,6 +175,29 @@ def test_default_input_policy_keeps_the_float8_input_of_a_layer_alone():
     assert float8_of(graph, (M, K)) and (torch.float32, (M, K)) not in graph
 
 
+class _Projections(torch.nn.Module):
+    """Attention's q, k and v projections of one normed input."""
+
+    def __init__(self, config: Float8LinearConfig) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (Float8Linear(K, N, bias=False, config=config) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * 2
+        return self.q(normed) + self.k(normed) + self.v(normed)
+
+
+@pytest.mark.parametrize("recompute_input_cast", [None, False], ids=["default", "keep-fp8-input"])
+def test_compiled_layers_reading_one_input_keep_one_float8_copy(recompute_input_cast):
+    """The partitioner's CSE merges the three identical casts of the shared input (it compares
+    op arguments with ==, so the casts must hold no NaN constant): backward gets one float8
+    copy of it and one scale, not three."""
+    module = _Projections(Float8LinearConfig(recompute_input_cast=recompute_input_cast))
+    graph = backward_inputs(module, torch.randn(M, K, requires_grad=True))
+    assert [entry for entry in graph if entry[0] == E4M3] == [(E4M3, (M, K))]
+    assert graph.count((torch.float32, ())) == 1
+
+
 def test_compiled_rowwise_default_keeps_the_float8_input_and_recasts_the_weight():
     layer = Float8Linear(K, N, bias=False, config=all_roles_config("rowwise"))
     graph = backward_inputs(layer, torch.randn(M, K, requires_grad=True))
