@@ -60,6 +60,10 @@ def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):  # noqa: ANN
     return run
 
 
+# The recipes torchao.float8 names alike: timed beside ours in the same run.
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
 def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device, scaling="dynamic"):  # noqa: ANN001, ANN201, PLR0913
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
@@ -76,7 +80,7 @@ def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device, s
         config = Float8LinearConfig.from_recipe_name(recipe, recompute_weight_cast=recompute)
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
     layers = {"ref": ref, "fp8": fp8_layer}
-    if torchao_float8 is not None and recipe in ("tensorwise", "rowwise"):
+    if torchao_float8 is not None and recipe in TORCHAO_RECIPES:
         ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
         layers["torchao"] = torchao_float8.convert_to_float8_training(
             nn.Sequential(copy.deepcopy(ref)), config=ao_config
@@ -166,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--recipes",
         nargs="+",
         default=["tensorwise"],
-        choices=[r.value for r in Float8LinearRecipeName],
+        choices=["all", *(r.value for r in Float8LinearRecipeName)],
+        help="float8 recipes to time (all: every named recipe)",
     )
     parser.add_argument(
         "--scaling",
@@ -202,7 +207,8 @@ def main(args: argparse.Namespace) -> None:
 
     print_environment()
     print(f"- torchao.float8: {'importable' if torchao_float8 else 'not importable'}\n")
-    recipes = [(recipe, "dynamic") for recipe in args.recipes if "dynamic" in args.scaling]
+    names = [r.value for r in Float8LinearRecipeName] if "all" in args.recipes else args.recipes
+    recipes = [(recipe, "dynamic") for recipe in names if "dynamic" in args.scaling]
     if "delayed" in args.scaling:
         recipes.append(("tensorwise", "delayed"))
     rows = [

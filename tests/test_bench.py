@@ -28,6 +28,17 @@ def test_bench_linear_runs_a_tiny_shape_on_the_cpu(capsys):
     assert "geometric mean fp8_speedup over 1 rows" in out
 
 
+def test_bench_linear_times_every_recipe(capsys):
+    from fp8train import Float8LinearRecipeName
+
+    argv = ["bench-linear", "--device", "cpu", "--shape", "128", "128", "128", "--compile", "off"]
+    main([*argv, "--recipes", "all"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| custom0")]
+    assert len(rows) == len(Float8LinearRecipeName)
+    for recipe in Float8LinearRecipeName:
+        assert any(f"| {recipe.value} |" in row for row in rows), recipe
+
+
 def test_bench_matmul_runs_a_tiny_shape_on_the_cpu(capsys, monkeypatch):
     from benchmarks import bench_matmul
 
