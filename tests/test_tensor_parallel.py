@@ -22,7 +22,7 @@ from fp8train.distributed import (
 from tests.distributed import WORLD_SIZE, spawn
 
 
-def _worker(rank: int, out_dir: str, sequence_parallel: bool) -> None:
+def _worker(rank: int, out_dir: str, sequence_parallel: bool, float8_styles: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -36,15 +36,17 @@ def _worker(rank: int, out_dir: str, sequence_parallel: bool) -> None:
     convert_to_float8_training(model)
     single = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    col, row = (
+        (Float8ColwiseParallel, Float8RowwiseParallel)
+        if float8_styles
+        else (ColwiseParallel, RowwiseParallel)
+    )
     if sequence_parallel:
         # Tokens sharded outside the MLP: all-gathered before the first layer,
         # reduce-scattered after the second.
-        plan = {
-            "0": ColwiseParallel(input_layouts=Shard(0)),
-            "2": RowwiseParallel(output_layouts=Shard(0)),
-        }
+        plan = {"0": col(input_layouts=Shard(0)), "2": row(output_layouts=Shard(0))}
     else:
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Replicate())}
+        plan = {"0": col(), "2": row(output_layouts=Replicate())}
     parallelize_module(model, mesh, plan)
     torch.manual_seed(1)
     x, grad = torch.randn(32, 64), torch.randn(32, 64)
@@ -68,9 +70,10 @@ def _worker(rank: int, out_dir: str, sequence_parallel: bool) -> None:
     torch.save(result, f"{out_dir}/{rank}.pt")
 
 
+@pytest.mark.parametrize("float8_styles", [False, True], ids=["torch-styles", "float8-styles"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_tensor_parallel_matches_one_process(tmp_path, sequence_parallel):
-    spawn(_worker, str(tmp_path), sequence_parallel)
+def test_tensor_parallel_matches_one_process(tmp_path, sequence_parallel, float8_styles):
+    spawn(_worker, str(tmp_path), sequence_parallel, float8_styles)
     for rank in range(WORLD_SIZE):
         result = torch.load(tmp_path / f"{rank}.pt")
         assert result["float8"]
