@@ -106,12 +106,14 @@ def cast_layouts(
     `record_amax`: a 0-d fp32 buffer raised to max |hp| (delayed scaling's next amax), in
     the cast's own pass where the kernel runs."""
     if granularity is not ScalingGranularity.BLOCKWISE and eager_kernel(hp):
+        # The kernel itself, not the fp8train custom ops that wrap it for tracing: their
+        # Python dispatch costs ~30 us a call on the host, and a layer casts 4 times a step.
         row, col = False in layouts, True in layouts
         if scale is None and granularity is ScalingGranularity.TENSORWISE:
-            hp_amax = amax(hp, granularity, None)
-            scale, *data = torch.ops.fp8train.cast_from_amax(
-                hp, hp_amax, float8_dtype, round_scales_to_power_of_2, row, col
-            )
+            scale, *data = cast_2d(
+                hp, amax(hp, granularity, None), float8_dtype, row_major=row, column_major=col,
+                scale_from_amax=True, round_to_power_of_2=round_scales_to_power_of_2,
+            )  # fmt: skip
         else:
             if scale is None:
                 scale = amax_to_scale(
@@ -119,7 +121,9 @@ def cast_layouts(
                     float8_dtype,
                     round_to_power_of_2=round_scales_to_power_of_2,
                 )
-            data = torch.ops.fp8train.saturated_cast(hp, scale, float8_dtype, row, col, record_amax)
+            _, *data = cast_2d(
+                hp, scale, float8_dtype, row_major=row, column_major=col, record_amax=record_amax
+            )
         return [Float8Tensor(data[int(cm)], scale, hp.dtype, granularity) for cm in layouts]
     if record_amax is not None:
         with torch.no_grad():
@@ -214,7 +218,8 @@ def _saturated_cast_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The float8 bytes of saturate(hp * scale), (row-major, column-major), each empty unless
     asked for; `record_amax` raised to max |hp| if given. The Triton kernel where it runs (2-D,
-    CUDA), else the torch path. An op of its own so that a traced graph holds it as one node."""
+    CUDA), else the torch path. An op of its own so that a traced graph holds it as one node;
+    eager casts call the kernel directly (cast_layouts)."""
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
         _, row, col = cast_2d(
             hp, scale, float8_dtype, row_major=row_major, column_major=column_major,
