@@ -89,15 +89,15 @@ def build(args: argparse.Namespace, name: str, mesh, device: torch.device) -> to
 def train(args: argparse.Namespace, name: str, mesh, device: torch.device) -> dict:  # noqa: ANN001
     # FSDP2's modules and their hooks form reference cycles: the previous config's model is
     # only freed by the cycle collector, and would otherwise count in this config's peak.
+    cuda = device.type == "cuda"
     gc.collect()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
     model = build(args, name, mesh, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=generator).to(device)
 
-    cuda = device.type == "cuda"
     peaks = {"fwd+bwd": 0, "step": 0}
 
     def step() -> None:
@@ -128,7 +128,7 @@ def train(args: argparse.Namespace, name: str, mesh, device: torch.device) -> di
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     elapsed = torch.tensor(time.perf_counter() - start, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

@@ -22,25 +22,24 @@ from fp8train.distributed import (
 from tests.distributed import WORLD_SIZE, spawn
 
 
-def _worker(rank: int, out_dir: str, sequence_parallel: bool, float8_styles: bool) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+def _mlp_and_styles(float8_styles: bool) -> tuple[nn.Module, nn.Module, type, type]:
+    """A float8 MLP, an unparallelized copy of it, and the (colwise, rowwise) styles."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 64, bias=False))
     convert_to_float8_training(model)
-    single = copy.deepcopy(model)
+    if float8_styles:
+        return model, copy.deepcopy(model), Float8ColwiseParallel, Float8RowwiseParallel
+    return model, copy.deepcopy(model), ColwiseParallel, RowwiseParallel
+
+
+def _worker(rank: int, out_dir: str, sequence_parallel: bool, float8_styles: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model, single, col, row = _mlp_and_styles(float8_styles)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    col, row = (
-        (Float8ColwiseParallel, Float8RowwiseParallel)
-        if float8_styles
-        else (ColwiseParallel, RowwiseParallel)
-    )
     if sequence_parallel:
         # Tokens sharded outside the MLP: all-gathered before the first layer,
         # reduce-scattered after the second.
@@ -136,21 +135,9 @@ def _recording_backend(graphs: list):  # noqa: ANN001, ANN202
 
 def _mlp_worker(rank: int, out_dir: str, float8_styles: bool, compiled: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 64, bias=False))
-    convert_to_float8_training(model)
-    single = copy.deepcopy(model)
-    col, row = (
-        (Float8ColwiseParallel, Float8RowwiseParallel)
-        if float8_styles
-        else (ColwiseParallel, RowwiseParallel)
-    )
+    model, single, col, row = _mlp_and_styles(float8_styles)
     plan = {"0": col(input_layouts=Shard(0)), "2": row(output_layouts=Shard(0))}
     parallelize_module(model, init_device_mesh("cpu", (WORLD_SIZE,)), plan)
     torch.manual_seed(1)

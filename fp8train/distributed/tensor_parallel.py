@@ -216,7 +216,7 @@ class Float8ColwiseParallel(ColwiseParallel):
         if isinstance(tensor, Float8Tensor):
             _check_gathered(tensor, desired_input_layouts, "Float8ColwiseParallel")
             return tensor
-        config = _check_tensorwise_dynamic(mod, Role.INPUT, "Float8ColwiseParallel")
+        config = mod.config  # checked once, in _apply
         dtensor = _as_dtensor(tensor, device_mesh, input_layouts)
         return _CastThenAllGather.apply(
             dtensor,
