@@ -272,6 +272,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def write_json(args: argparse.Namespace, run_environment: dict, rows: list[dict]) -> None:
+    with open(args.json, "w") as handle:
+        record = {"args": vars(args) | {"func": None}, "environment": run_environment}
+        json.dump(record | {"runs": rows}, handle)
+
+
 def main(args: argparse.Namespace) -> list[dict]:
     args = resolve(args)
     device = torch.device(args.device)
@@ -298,6 +304,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     with torch.device("cpu"):
         initial = Transformer(model_args)
     rows = []
+    run_environment = environment()
     for name in args.configs:
         gc.collect()
         if device.type == "cuda":
@@ -305,15 +312,18 @@ def main(args: argparse.Namespace) -> list[dict]:
             torch.cuda.reset_peak_memory_stats(device)
         torch._dynamo.reset()
         rows.append(train(name, initial, data, args))
+        row = rows[-1]
+        print(
+            f"{name}: {row['tokens_per_s']:.0f} tokens/s, peak {row['peak_memory_gib']} GiB, "
+            f"final train loss {row['final_train_loss']:.4f}, val loss {row['val_loss']:.4f}",
+            flush=True,
+        )
+        if args.json:  # after every run, so that an interrupted comparison keeps its runs
+            write_json(args, run_environment, rows)
     base_name = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[args.dtype]
     # A cell left empty where a figure does not exist (peak memory on the CPU).
     table = [{k: v for k, v in row.items() if v is not None} for row in compare(rows, base_name)]
     print(markdown_table(table, list(table[0])))
-    run_environment = environment()
-    if args.json:
-        with open(args.json, "w") as handle:
-            record = {"args": vars(args) | {"func": None}, "environment": run_environment}
-            json.dump(record | {"runs": rows}, handle)
     if args.plot:
         plot(rows, args.plot, caption_of(run_environment))
         print(f"loss curves: {args.plot}")

@@ -215,7 +215,8 @@ class Float8LinearRecipeName(str, enum.Enum):
     BLOCKWISE = "blockwise"
     """DeepSeek-V3-style 1 x 128 blocks for activations and gradients and 128 x 128 for the
     weight, e4m3 everywhere, power-of-2 scales: the most robust to outliers. Dims must be
-    multiples of 128; the gemms are emulated in fp32 for now (see the README)."""
+    multiples of 128. The gemms run block-scaled on sm90 with CUDA >= 12.9 and are emulated in
+    fp32 elsewhere (see the README)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,8 @@ fp8train/policy.py, which also makes torch.compile keep to it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -58,14 +60,14 @@ def scaled_mm(
     on the CPU before torch 2.13, which has no CPU kernel for it). Otherwise
     torch._scaled_mm runs with `a` row-major and `b` column-major; K and N must be multiples
     of 16, or are padded with zeros when `pad_inner_dim` (zeros add nothing to the sums).
+    Blockwise operands take torch's block-scaled gemm where it runs (`block_scaled_gemm_runs`)
+    and are emulated elsewhere.
     """
-    # Blockwise gemms are emulated everywhere for now: the block-scaled gemm of newer torch
-    # on sm90 is not wired in yet.
-    if (
-        emulate
-        or a._granularity is ScalingGranularity.BLOCKWISE
-        or (a._data.device.type == "cpu" and not _CPU_ROWWISE and a._scale.numel() > 1)
-    ):
+    if a._granularity is ScalingGranularity.BLOCKWISE and not emulate:
+        if block_scaled_gemm_runs(a, b, out_dtype):
+            return _block_scaled_mm(a, b, out_dtype)
+        emulate = True  # no block-scaled gemm here (CPU, not sm90, CUDA < 12.9, fp16 output)
+    if emulate or (a._data.device.type == "cpu" and not _CPU_ROWWISE and a._scale.numel() > 1):
         return torch.mm(a.to_hp(torch.float32), b.to_hp(torch.float32)).to(out_dtype)
     a_data, b_data = a._data, b._data
     # _scaled_mm takes the fp8 -> hp scales; 0-d for tensorwise, (M, 1) and (1, N) rowwise.
@@ -92,6 +94,65 @@ def scaled_mm(
         use_fast_accum=use_fast_accum,
     )
     return out[:, :n] if pad_n else out
+
+
+@functools.cache
+def _has_block_scaled_gemm(device_index: int | None) -> bool:
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return (
+        hasattr(F, "scaled_mm")
+        and cuda >= (12, 9)
+        and torch.cuda.get_device_capability(device_index) == (9, 0)
+    )
+
+
+def block_scaled_gemm_runs(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> bool:
+    """True where torch's block-scaled gemm (cuBLAS, DeepSeek-V3's scaling) takes `a @ b`:
+    sm90 with CUDA >= 12.9, bf16 or fp32 output, `a` in 1 x BLOCK blocks along K and `b` in
+    BLOCK x BLOCK blocks or BLOCK x 1 blocks along K. Elsewhere blockwise gemms are emulated."""
+    if not (
+        a._data.is_cuda
+        and out_dtype in (torch.bfloat16, torch.float32)
+        and _has_block_scaled_gemm(a._data.device.index)
+    ):
+        return False
+    (m, k), n = a._data.shape, b._data.shape[1]
+    blocks = k // BLOCK
+    return (
+        b._granularity is ScalingGranularity.BLOCKWISE
+        and k % BLOCK == 0
+        and tuple(a._scale.shape) == (m, blocks)
+        and tuple(b._scale.shape) in ((blocks, n // BLOCK), (blocks, n))
+        and n % BLOCK == 0
+    )
+
+
+def _block_scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    # The layouts cuBLAS reads (torch's scaled_mm checks them): 1 x BLOCK scales of an (R, C)
+    # operand as (R, C / BLOCK) with stride (1, R); BLOCK x BLOCK scales of b (K, N) as
+    # (L4, N / BLOCK) with stride (1, L4), where L4 is K / BLOCK rounded up to a multiple of 4
+    # (the padding is never read as a block). Both take the float8 -> high-precision scales.
+    k, n = b._data.shape
+    a_scale = a._scale.reciprocal().t().contiguous().t()
+    b_inv = b._scale.reciprocal()
+    if b_inv.shape[1] == n:  # b in BLOCK x 1 blocks along K: b.T in 1 x BLOCK blocks
+        b_scale, b_recipe = b_inv.contiguous().t(), F.ScalingType.BlockWise1x128
+    else:
+        pad = -b_inv.shape[0] % 4
+        b_scale = F.pad(b_inv.t(), (0, pad)).contiguous().t()
+        b_recipe = F.ScalingType.BlockWise128x128
+    a_data = a._data if a._data.is_contiguous() else a._data.contiguous()
+    b_data = b._data if b._data.t().is_contiguous() else b._data.t().contiguous().t()
+    # No fast-accumulation flag: the block-scaled kernels rescale the sum at every K block.
+    return F.scaled_mm(
+        a_data,
+        b_data,
+        a_scale,
+        F.ScalingType.BlockWise1x128,
+        b_scale,
+        b_recipe,
+        output_dtype=out_dtype,
+    )
 
 
 def _pad_float8(data: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:

@@ -110,3 +110,61 @@ def test_blockwise_compiled_backward_keeps_the_float8_input():
     assert sorted(graph, key=str) == sorted(
         [(E4M3, (M, K)), (torch.float32, (M // 128, K)), (torch.float32, (N, K))], key=str
     )
+
+
+def _block_scaled_gemm_here() -> str | None:
+    """Why torch's block-scaled gemm cannot run here, or None where it can."""
+    from fp8train.matmul import _has_block_scaled_gemm
+
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if not _has_block_scaled_gemm(None):
+        return "torch's block-scaled gemm needs sm90 and CUDA >= 12.9"
+    return None
+
+
+needs_block_scaled_gemm = pytest.mark.skipif(
+    _block_scaled_gemm_here() is not None, reason=str(_block_scaled_gemm_here())
+)
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_block_scaled_gemm
+@pytest.mark.parametrize("shape", [(256, 512, 768), (384, 1280, 640)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_blockwise_gemms_run_block_scaled_on_sm90_and_match_the_emulation(shape, compiled):
+    """All three gemms of a blockwise layer take torch's block-scaled gemm (1x128 x 128x128
+    forward and grad_input, 1x128 x 1x128 grad_weight) and agree with the emulated gemms,
+    which dequantize the same float8 operands. 1280 / 128 = 10 blocks: the 128x128 scales
+    are padded to a multiple of 4 along K."""
+    m, k, n = shape
+    torch.manual_seed(0)
+    reference = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    recipe = Float8LinearConfig.from_recipe_name
+    hardware = Float8Linear.from_float(copy.deepcopy(reference), recipe("blockwise"))
+    emulated = Float8Linear.from_float(copy.deepcopy(reference), recipe("blockwise", emulate=True))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    if compiled:
+        from torch._inductor.utils import run_and_get_code
+
+        run = torch.compile(hardware, fullgraph=True)
+        actual, codes = run_and_get_code(lambda: fwd_bwd(run, x, grad))
+        assert sum(code.count("_scaled_mm_v2(") for code in codes) == 3, codes
+    else:
+        counter = _CountOps()
+        with counter:
+            actual = fwd_bwd(hardware, x, grad)
+        assert counter.ops.count("aten._scaled_mm_v2") == 3, counter.ops
+    expected = fwd_bwd(emulated, x, grad)
+    for want, got in zip(expected, actual, strict=True):
+        assert compute_error(want.float(), got.float()) >= 40
