@@ -128,31 +128,54 @@ def block_scaled_gemm_runs(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dt
 
 
 def _block_scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    a_inv, b_inv = a._scale.reciprocal(), b._scale.reciprocal()
+    if torch.compiler.is_compiling():
+        # dynamo cannot trace torch's scaled_mm (torch 2.11): an opaque op of ours instead.
+        return _block_scaled_mm_op(a._data, a_inv, b._data, b_inv, out_dtype)
+    return _block_scaled_mm_impl(a._data, a_inv, b._data, b_inv, out_dtype)
+
+
+def _block_scaled_mm_impl(
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     # The layouts cuBLAS reads (torch's scaled_mm checks them): 1 x BLOCK scales of an (R, C)
     # operand as (R, C / BLOCK) with stride (1, R); BLOCK x BLOCK scales of b (K, N) as
     # (L4, N / BLOCK) with stride (1, L4), where L4 is K / BLOCK rounded up to a multiple of 4
     # (the padding is never read as a block). Both take the float8 -> high-precision scales.
-    k, n = b._data.shape
-    a_scale = a._scale.reciprocal().t().contiguous().t()
-    b_inv = b._scale.reciprocal()
+    n = b.shape[1]
+    a_scale = a_inv.t().contiguous().t()
     if b_inv.shape[1] == n:  # b in BLOCK x 1 blocks along K: b.T in 1 x BLOCK blocks
         b_scale, b_recipe = b_inv.contiguous().t(), F.ScalingType.BlockWise1x128
     else:
         pad = -b_inv.shape[0] % 4
         b_scale = F.pad(b_inv.t(), (0, pad)).contiguous().t()
         b_recipe = F.ScalingType.BlockWise128x128
-    a_data = a._data if a._data.is_contiguous() else a._data.contiguous()
-    b_data = b._data if b._data.t().is_contiguous() else b._data.t().contiguous().t()
+    a = a if a.is_contiguous() else a.contiguous()
+    b = b if b.t().is_contiguous() else b.t().contiguous().t()
     # No fast-accumulation flag: the block-scaled kernels rescale the sum at every K block.
     return F.scaled_mm(
-        a_data,
-        b_data,
-        a_scale,
-        F.ScalingType.BlockWise1x128,
-        b_scale,
-        b_recipe,
-        output_dtype=out_dtype,
+        a, b, a_scale, F.ScalingType.BlockWise1x128, b_scale, b_recipe, output_dtype=out_dtype
     )
+
+
+@torch.library.custom_op("fp8train::block_scaled_mm", mutates_args=())
+def _block_scaled_mm_op(
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return _block_scaled_mm_impl(a, a_inv, b, b_inv, out_dtype)
+
+
+@_block_scaled_mm_op.register_fake
+def _(a, a_inv, b, b_inv, out_dtype):  # noqa: ANN001, ANN202
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 def _pad_float8(data: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:

@@ -159,7 +159,7 @@ def test_blockwise_gemms_run_block_scaled_on_sm90_and_match_the_emulation(shape,
 
         run = torch.compile(hardware, fullgraph=True)
         actual, codes = run_and_get_code(lambda: fwd_bwd(run, x, grad))
-        assert sum(code.count("_scaled_mm_v2(") for code in codes) == 3, codes
+        assert sum(code.count("fp8train.block_scaled_mm") for code in codes) == 3, codes
     else:
         counter = _CountOps()
         with counter:
