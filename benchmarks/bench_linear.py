@@ -211,12 +211,13 @@ def main(args: argparse.Namespace) -> None:
     recipes = [(recipe, "dynamic") for recipe in names if "dynamic" in args.scaling]
     if "delayed" in args.scaling:
         recipes.append(("tensorwise", "delayed"))
-    rows = [
-        bench_shape(name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling)
-        for (name, (m, k, n)), ref, c, r, (recipe, scaling) in itertools.product(
-            shapes.items(), ref_names, compiled, recompute, recipes
-        )
-    ]
+    rows = []
+    for (name, (m, k, n)), ref, c, r, (recipe, scaling) in itertools.product(
+        shapes.items(), ref_names, compiled, recompute, recipes
+    ):
+        rows.append(bench_shape(name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling))
+        # One line per row as it is timed, so that a run cut short still shows its rows.
+        print(", ".join(f"{key}={value}" for key, value in rows[-1].items()), flush=True)
     add_peak(rows, peak)
     print(markdown_table(rows, list(dict.fromkeys(key for row in rows for key in row))))
     geomean = statistics.geometric_mean(r["fp8_speedup"] for r in rows)
