@@ -56,6 +56,12 @@ CONFIGS: dict[str, Float8LinearConfig | None] = {
         cast_config_weight=CastConfig(scaling_type="delayed"),
         cast_config_grad_output=CastConfig(scaling_type="delayed"),
     ),
+    "fp8 delayed float8-all-gather": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="delayed"),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        cast_config_grad_output=CastConfig(scaling_type="delayed"),
+        enable_fsdp_float8_all_gather=True,
+    ),
 }
 
 
@@ -106,7 +112,7 @@ def train(args: argparse.Namespace, name: str, mesh, device: torch.device) -> di
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        if name == "fp8 delayed":
+        if name.startswith("fp8 delayed"):
             sync_float8_amax_and_scale_history(model)
         if cuda:
             # Forward and backward alone: where the save policy and the all-gathers show. The

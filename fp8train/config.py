@@ -277,7 +277,8 @@ class Float8LinearConfig:
 
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
-    element on the wire instead of 2 or 4. Tensorwise dynamic weight scaling only."""
+    element on the wire instead of 2 or 4. Tensorwise e4m3 weight casts (dynamic, delayed or
+    static scaling)."""
 
     _casts: dict = dataclasses.field(init=False, repr=False, compare=False)
     _gemms: dict = dataclasses.field(init=False, repr=False, compare=False)
@@ -318,11 +319,6 @@ class Float8LinearConfig:
                     "scaling keep one scale per tensor, so give both gemms the same cast"
                 )
         if self.enable_fsdp_float8_all_gather:
-            if self.cast_config_weight.scaling_type is not ScalingType.DYNAMIC:
-                raise ValueError(
-                    "enable_fsdp_float8_all_gather=True supports dynamic weight scaling only, "
-                    f"not {self.cast_config_weight.scaling_type.value}"
-                )
             for gemm in (Gemm.OUTPUT, Gemm.GRAD_INPUT):
                 cast = self.cast_config(Role.WEIGHT, gemm)
                 if not (

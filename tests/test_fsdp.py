@@ -17,13 +17,20 @@ from tests.distributed import WORLD_SIZE, spawn
 STEPS = 5
 
 
-def _worker(rank: int, out_dir: str, mode: str, reshard_after_forward: bool) -> None:
+def _worker(
+    rank: int, out_dir: str, mode: str, reshard_after_forward: bool, weight_scaling: str
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from fp8train import CastConfig, sync_float8_amax_and_scale_history
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48, bias=False))
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=mode != "hp-all-gather")
+    config = Float8LinearConfig(
+        enable_fsdp_float8_all_gather=mode != "hp-all-gather",
+        cast_config_weight=CastConfig(scaling_type=weight_scaling),
+    )
     convert_to_float8_training(model, config=config)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     for layer in (model[0], model[2]):
@@ -46,18 +53,29 @@ def _worker(rank: int, out_dir: str, mode: str, reshard_after_forward: bool) -> 
     for _ in range(STEPS):
         loss = model(torch.randn(32, 64)).square().mean()
         loss.backward()
+        if weight_scaling == "delayed":
+            sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad()
         if mode == "float8-all-gather-precomputed":
             precompute_float8_dynamic_scale_for_fsdp(model)
         losses.append(loss.detach())
-    torch.save({"losses": torch.stack(losses), "gathered": gathered}, f"{out_dir}/{rank}.pt")
+    buffers = {name: b.clone() for name, b in model.named_buffers() if "fp8_" in name}
+    torch.save(
+        {"losses": torch.stack(losses), "gathered": gathered, "buffers": buffers},
+        f"{out_dir}/{rank}.pt",
+    )
 
 
-def run_fsdp(tmp_path, mode: str, reshard_after_forward: bool = True) -> list[dict]:  # noqa: ANN001
-    out_dir = tmp_path / mode
+def run_fsdp(  # noqa: ANN201
+    tmp_path,  # noqa: ANN001
+    mode: str,
+    reshard_after_forward: bool = True,
+    weight_scaling: str = "dynamic",
+):
+    out_dir = tmp_path / f"{mode}-{weight_scaling}"
     out_dir.mkdir()
-    spawn(_worker, str(out_dir), mode, reshard_after_forward)
+    spawn(_worker, str(out_dir), mode, reshard_after_forward, weight_scaling)
     return [torch.load(out_dir / f"{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
@@ -76,6 +94,24 @@ def test_float8_all_gather_gives_the_losses_of_hp_all_gather(tmp_path, reshard_a
         assert gathered and all(dtype == torch.uint8 and size == 1 for dtype, _, size in gathered)
         shard_elements = {64 * 128 // WORLD_SIZE, 128 * 48 // WORLD_SIZE}
         assert {numel for _, numel, _ in gathered} == shard_elements
+
+
+def test_delayed_weights_all_gather_in_float8_with_the_losses_and_history_of_hp(tmp_path):
+    """A delayed weight is cast shard by shard with its history's scale, and each shard's amax
+    is recorded for the step's sync, whose all-reduce makes it the global amax: the losses and
+    every amax history equal those of the high-precision all-gather, which casts the whole
+    weight. Step 1 (no history yet) takes the scale from the global amax."""
+    reference = run_fsdp(tmp_path, "hp-all-gather", weight_scaling="delayed")
+    float8 = run_fsdp(tmp_path, "float8-all-gather", weight_scaling="delayed")
+    for rank in range(WORLD_SIZE):
+        torch.testing.assert_close(float8[rank]["losses"], reference[rank]["losses"])
+        buffers, expected = float8[rank]["buffers"], reference[rank]["buffers"]
+        assert buffers.keys() == expected.keys() and "0.fp8_amax_history_weight" in buffers
+        for name, tensor in expected.items():
+            torch.testing.assert_close(buffers[name], tensor, msg=name)
+        assert buffers["0.fp8_amax_history_weight"][STEPS - 1] > 0  # every step recorded
+        gathered = float8[rank]["gathered"]
+        assert gathered and all(dtype == torch.uint8 for dtype, _, _ in gathered)
 
 
 def test_float8_all_gather_needs_a_tensorwise_weight_cast():

@@ -7,7 +7,9 @@ sharding see one), wrapped in `WeightWithFloat8CastTensor`, which implements FSD
 `fsdp_pre_all_gather` / `fsdp_post_all_gather` extension hooks:
 
     pre:  scale from the global amax (one all-reduce MAX over the shard group, or a scale
-          precomputed for every weight at once by precompute_float8_dynamic_scale_for_fsdp),
+          precomputed for every weight at once by precompute_float8_dynamic_scale_for_fsdp);
+          a delayed weight's scale from its history (its shard's amax recorded for the sync),
+          a static weight's given scale,
           cast the local shard, hand FSDP its bytes as uint8 (gloo cannot all-gather float8
           dtypes; bytes are bytes to NCCL too)
     post: view the gathered bytes as float8: the unsharded weight is a Float8Tensor
@@ -26,7 +28,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from fp8train.cast import quantize
-from fp8train.config import E4M3, ScalingGranularity
+from fp8train.config import E4M3, CastConfig, Gemm, Role, ScalingGranularity, ScalingType
+from fp8train.delayed import role_state
 from fp8train.scaling import amax_to_scale
 from fp8train.tensor import Float8Tensor
 
@@ -117,7 +120,10 @@ class WeightWithFloat8CastTensor(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ANN001, ANN201
         scale = self._precomputed_scale
-        if scale is None:
+        stateful = _stateful_weight_cast(module)
+        if stateful is not None:
+            scale = _stateful_weight_scale(self._tensor, module, stateful, mesh.get_group())
+        elif scale is None:
             amax = torch.linalg.vector_norm(self._tensor, ord=float("inf"), dtype=torch.float32)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
             scale = amax_to_scale(amax, E4M3, round_to_power_of_2=self._round_scales_to_power_of_2)
@@ -133,6 +139,45 @@ class WeightWithFloat8CastTensor(torch.Tensor):
             return None
         fp8 = Float8Tensor(data.view(E4M3), scale, param_dtype, ScalingGranularity.TENSORWISE)
         return fp8, (data,)
+
+
+def _stateful_weight_cast(module: nn.Module) -> CastConfig | None:
+    """The weight's cast config of `module` (the Float8Linear owning the weight) if it is
+    delayed or static; None for dynamic scaling."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    cast = config.cast_config(Role.WEIGHT, Gemm.OUTPUT)
+    return cast if cast.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC) else None
+
+
+@torch.no_grad()
+def _stateful_weight_scale(
+    shard: torch.Tensor, module: nn.Module, cast: CastConfig, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The scale a delayed (or static) weight is cast with before the all-gather.
+
+    Delayed: the shard's amax is recorded into the layer's weight amax, and the step's sync
+    all-reduces it (MAX) with every other amax: the history gets the global amax of the
+    sharded weight, as without float8 all-gather. Once the scale is an earlier step's (known on
+    the host), the shards are cast with it and no collective runs here. On the first step the
+    scale comes from the global amax, one all-reduce MAX, as a dynamic cast's would."""
+    if cast.scaling_type is ScalingType.STATIC:
+        return torch.full((), cast.static_scale, device=shard.device)
+    state = role_state(module, Role.WEIGHT)
+    local = torch.linalg.vector_norm(shard, ord=float("inf"), dtype=torch.float32)
+    state.amax.copy_(torch.maximum(state.amax, local))
+    if Role.WEIGHT in module._fp8_ready_roles:
+        scale = state.scale.clone()  # the sync updates the buffer in place
+    else:
+        global_amax = local.clone()
+        dist.all_reduce(global_amax, op=dist.ReduceOp.MAX, group=group)
+        fresh = amax_to_scale(
+            global_amax, E4M3, round_to_power_of_2=module.config.round_scales_to_power_of_2
+        )
+        scale = torch.where(state.initialized, state.scale, fresh)
+    # A non-finite shard gives a NaN scale, so the inf or NaN reaches the loss.
+    return torch.where(torch.isfinite(local), scale, torch.nan)
 
 
 def wrap_weight_for_fsdp(module: nn.Linear, round_scales_to_power_of_2: bool) -> None:
@@ -172,10 +217,13 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
     own. Without it each weight's scale is computed at its all-gather."""
     from torch.distributed.tensor import DTensor
 
+    # Delayed and static weights have their scale already (fp8train.delayed).
     weights = [
-        p
-        for p in model.parameters()
-        if isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithFloat8CastTensor)
+        module.weight
+        for module in model.modules()
+        if isinstance(getattr(module, "weight", None), DTensor)
+        and isinstance(module.weight._local_tensor, WeightWithFloat8CastTensor)
+        and _stateful_weight_cast(module) is None
     ]
     if not weights:
         return
