@@ -50,7 +50,10 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -
 
 def write_csv(rows: Sequence[dict], path: str | Path) -> None:
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0].keys()))
+        # Every row's columns, in first-seen order: rows may differ (torchao's columns exist
+        # only beside the recipes torchao has).
+        fields = list(dict.fromkeys(key for row in rows for key in row))
+        writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
 

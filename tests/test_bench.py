@@ -47,3 +47,17 @@ def test_bench_matmul_runs_a_tiny_shape_on_the_cpu(capsys, monkeypatch):
     )
     bench_matmul.main()
     assert "fp8_tflops" in capsys.readouterr().out
+
+
+def test_csv_holds_the_columns_of_every_row(tmp_path):
+    """Rows differ: torchao's columns exist only beside the recipes torchao has."""
+    import csv
+
+    from benchmarks.utils import write_csv
+
+    rows = [{"recipe": "blockwise", "fp8_speedup": 1.3}, {"recipe": "rowwise", "vs_torchao": 1.1}]
+    write_csv(rows, tmp_path / "rows.csv")
+    with open(tmp_path / "rows.csv") as handle:
+        read = list(csv.DictReader(handle))
+    assert [row["recipe"] for row in read] == ["blockwise", "rowwise"]
+    assert read[0]["vs_torchao"] == "" and read[1]["vs_torchao"] == "1.1"
