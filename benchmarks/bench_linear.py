@@ -32,6 +32,7 @@ from benchmarks.utils import (
 )
 from fp8train import (
     CastConfig,
+    DelayedScalingConfig,
     Float8Linear,
     Float8LinearConfig,
     Float8LinearRecipeName,
@@ -67,15 +68,17 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device, scaling="dynamic"):  # noqa: ANN001, ANN201, PLR0913
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
-    if scaling == "delayed":
+    if scaling.startswith("delayed"):
         delayed = CastConfig(scaling_type="delayed")
+        one_pass = scaling == "delayed-one-pass"
         config = Float8LinearConfig(
             cast_config_input=delayed,
             cast_config_weight=delayed,
             cast_config_grad_output=delayed,
             recompute_weight_cast=recompute,
+            delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=one_pass),
         )
-        recipe = "tensorwise-delayed"
+        recipe = f"tensorwise-{scaling}"
     else:
         config = Float8LinearConfig.from_recipe_name(recipe, recompute_weight_cast=recompute)
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
@@ -93,7 +96,7 @@ def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device, s
     times: dict[str, list[float]] = {key: [] for key in layers}
 
     def step(key: str, layer: nn.Module):  # noqa: ANN202
-        if key != "fp8" or scaling != "delayed":
+        if key != "fp8" or not scaling.startswith("delayed"):
             return fwd_bwd(layer, x, grad)
 
         def run() -> None:  # delayed scaling: the once-per-step sync belongs to the step
@@ -177,8 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scaling",
         nargs="+",
         default=["dynamic"],
-        choices=["dynamic", "delayed"],
-        help="delayed: tensorwise delayed scaling (the sync timed as part of the step)",
+        choices=["dynamic", "delayed", "delayed-one-pass"],
+        help="delayed: tensorwise delayed scaling (the sync timed as part of the step); "
+        "delayed-one-pass: the same with DelayedScalingConfig(compiled_one_pass=True)",
     )
     parser.add_argument(
         "--fp8-peak-tflops",
@@ -209,8 +213,7 @@ def main(args: argparse.Namespace) -> None:
     print(f"- torchao.float8: {'importable' if torchao_float8 else 'not importable'}\n")
     names = [r.value for r in Float8LinearRecipeName] if "all" in args.recipes else args.recipes
     recipes = [(recipe, "dynamic") for recipe in names if "dynamic" in args.scaling]
-    if "delayed" in args.scaling:
-        recipes.append(("tensorwise", "delayed"))
+    recipes += [("tensorwise", s) for s in ("delayed", "delayed-one-pass") if s in args.scaling]
     rows = []
     for (name, (m, k, n)), ref, c, r, (recipe, scaling) in itertools.product(
         shapes.items(), ref_names, compiled, recompute, recipes

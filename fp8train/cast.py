@@ -126,8 +126,12 @@ def cast_layouts(
             )
         return [Float8Tensor(data[int(cm)], scale, hp.dtype, granularity) for cm in layouts]
     if record_amax is not None:
+        # A delayed cast with an earlier step's scale (compiled, or without the kernel): the
+        # amax is this step's by-product, as in the kernel.
         with torch.no_grad():
             raise_amax(record_amax, hp)
+    # A given scale (delayed, static) may not have seen an inf of hp: the cast makes it NaN.
+    given_scale = scale is not None
     if scale is None:
         scale = amax_to_scale(
             amax(hp, granularity, reduce_dim, block),
@@ -137,7 +141,7 @@ def cast_layouts(
     if granularity is ScalingGranularity.BLOCKWISE:
         data = _blockwise_saturated_cast(hp, scale, float8_dtype)
     else:
-        data = _saturated_cast(hp, scale, float8_dtype)
+        data = _saturated_cast(hp, scale, float8_dtype, nonfinite_to_nan=given_scale)
     first = data
     casts = []
     for column_major in layouts:
@@ -147,12 +151,21 @@ def cast_layouts(
 
 
 def _saturated_cast(
-    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, column_major: bool = False
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    float8_dtype: torch.dtype,
+    column_major: bool = False,
+    nonfinite_to_nan: bool = False,
 ) -> torch.Tensor:
-    """The torch path of every non-blockwise cast (and the reference of the kernels)."""
+    """The torch path of every non-blockwise cast (and the reference of the kernels).
+    `nonfinite_to_nan`: an inf in hp becomes NaN, never a saturated finite value (a delayed
+    cast whose scale did not see this step's amax; a dynamic cast's scale turns NaN)."""
     fp8_max = torch.finfo(float8_dtype).max
     # Saturate before the cast: float8_e4m3fn has no inf, an overflow would become NaN.
-    data = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(float8_dtype)
+    scaled = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max)
+    if nonfinite_to_nan:
+        scaled = torch.where(torch.isinf(hp), torch.nan, scaled)
+    data = scaled.to(float8_dtype)
     return _column_major(data) if column_major else data
 
 

@@ -181,6 +181,13 @@ class DelayedScalingConfig:
     scale_fn: str = "max"
     """'max': the scale of the largest amax in the history; 'most_recent': of the last one."""
 
+    compiled_one_pass: bool = False
+    """Under torch.compile, once every layer's scales are an earlier step's, cast with them
+    without waiting for this step's amax, so that the amax and the cast can read the tensor in
+    one pass, as the eager CUDA kernel does. The compiled graph specializes on that: it
+    recompiles once, after the first sync. Off: one graph for every step, which takes the
+    amax before each cast (two passes)."""
+
     def __post_init__(self) -> None:
         if self.history_len < 1:
             raise ValueError(f"history_len={self.history_len}: keep at least 1 step of amax")

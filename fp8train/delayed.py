@@ -90,8 +90,9 @@ def stateful_scale(
 
     Delayed: once the scale is known on the host to be an earlier step's (`state.ready`) and
     the cast runs in the eager CUDA kernel, that scale is used as it is and the cast records
-    this step's amax into `record_amax` in its own pass: one read of hp. Otherwise (first step,
-    under torch.compile, on the CPU) the amax is recorded here, a pass of its own, and the
+    this step's amax into `record_amax` in its own pass: one read of hp; compiled code does the
+    same with `DelayedScalingConfig(compiled_one_pass=True)`. Otherwise (first step, compiled
+    code by default, the eager CPU path) the amax is recorded here, a pass of its own, and the
     first step scales from the data."""
     if cast.scaling_type is ScalingType.STATIC:
         return torch.full((), cast.static_scale, device=hp.device), None
@@ -99,9 +100,11 @@ def stateful_scale(
         return None, None
     if state is None:
         raise ValueError("a delayed cast needs its layer's amax and scale buffers")
-    if state.ready and eager_kernel(hp):
+    if state.ready and (eager_kernel(hp) or torch.compiler.is_compiling()):
         # A copy: the sync updates the buffer in place, and a cast kept for backward must keep
-        # the scale it was made with.
+        # the scale it was made with. Compiled (DelayedScalingConfig.compiled_one_pass), the
+        # scale does not depend on this step's amax either, so inductor may take both in one
+        # read of hp.
         return state.scale.clone(), state.amax
     with torch.no_grad():
         current = raise_amax(state.amax, hp)

@@ -72,8 +72,10 @@ class Float8Linear(nn.Linear):
                 misaligned_message(Gemm.GRAD_WEIGHT, tokens, self.in_features, self.fqn)
             )
         observer = None if torch.compiler.is_compiling() else self._observer
-        # Compiled code reads no host-side flag: dynamo would guard on it and recompile.
-        ready = set() if torch.compiler.is_compiling() else self._fp8_ready_roles
+        # Compiled code reads the host-side flag only when asked to: dynamo guards on it, and
+        # the graph recompiles once when the scales become ready.
+        one_pass = self.config.delayed_scaling_config.compiled_one_pass
+        ready = set() if torch.compiler.is_compiling() and not one_pass else self._fp8_ready_roles
         state = {role: role_state(self, role, role in ready) for role in delayed_roles(self.config)}
         weight_casts = self._weight_casts
         stale = (

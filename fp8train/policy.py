@@ -50,6 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fp8train.cast import cast_for_gemm, cast_for_gemms, cast_key, with_layout
 from fp8train.config import Float8LinearConfig, Gemm, Role, ScalingType
 from fp8train.delayed import DelayedState, stateful_scale
+from fp8train.scaling import raise_amax
 from fp8train.tensor import Float8Tensor
 
 Observer = Callable[[Role, Gemm, torch.Tensor, Float8Tensor], None]
@@ -232,6 +233,11 @@ def _tagged_cast(
     if keep is None or not torch.compiler.is_compiling():
         with torch.no_grad():
             return cast_for_gemm(hp, role, gemm, config, scale, record_amax)
+    if record_amax is not None:
+        # Outside the region, which must not hold an in-place update; still independent of
+        # the cast, which uses an earlier step's scale.
+        with torch.no_grad():
+            raise_amax(record_amax, hp)
     # The region returns plain tensors: a subclass output of a checkpoint region is not traced.
     data, scale = checkpoint(
         _cast_to_tensors,

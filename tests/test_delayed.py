@@ -204,6 +204,91 @@ def test_compiled_delayed_scaling_has_one_graph_and_no_recompiles(backend):
     assert compute_error(eager[0].weight.grad, model[0].weight.grad) > 40
 
 
+def _casts_waiting_for_a_reduction(graph: torch.fx.GraphModule) -> tuple[int, int]:
+    """(float8 casts in `graph`, how many of them depend on a reduction: an amax taken before
+    the cast, which makes it a second pass over the tensor)."""
+    reductions = ("amax", "linalg_vector_norm", "aten.max.default")
+
+    def ancestors(node: torch.fx.Node, seen: set) -> set:
+        for parent in node.all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                ancestors(parent, seen)
+        return seen
+
+    def is_float8(node: torch.fx.Node) -> bool:
+        value = node.meta.get("val")
+        return isinstance(value, torch.Tensor) and value.dtype in (E4M3, E5M2)
+
+    casts = [
+        n
+        for n in graph.graph.nodes
+        if n.op == "call_function" and is_float8(n) and not any(map(is_float8, n.all_input_nodes))
+    ]
+    waiting = [
+        n for n in casts if any(any(r in str(a.target) for r in reductions) for a in ancestors(n, set()))
+    ]
+    return len(casts), len(waiting)
+
+
+@pytest.mark.parametrize("backend", ["capture", "inductor"])
+def test_compiled_one_pass_recompiles_once_and_casts_without_waiting_for_the_amax(backend):
+    """DelayedScalingConfig(compiled_one_pass=True): step 1 scales from the data (its casts
+    wait for their amax); after the first sync the graph recompiles once, and then no float8
+    cast depends on a reduction, so inductor is free to take amax and cast in one pass. The
+    numerics are those of eager delayed scaling."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, _inputs: list) -> object:
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    config = delayed_config(delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True))
+    model = convert_to_float8_training(
+        nn.Sequential(nn.Linear(K, 128), nn.ReLU(), nn.Linear(128, N)), config=config
+    )
+    eager = copy.deepcopy(model)
+    inner = aot_autograd(fw_compiler=capture, bw_compiler=capture) if backend == "capture" else backend
+    counter = CompileCounterWithBackend(inner)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for _ in range(4):
+        x = torch.randn(M, K)
+        for module, target in ((compiled, model), (eager, eager)):
+            module(x).square().sum().backward()
+            sync_float8_amax_and_scale_history(target)
+    assert counter.frame_count == 2  # step 1, then once the scales are ready
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+        if "fp8_" in name:
+            torch.testing.assert_close(a, b, msg=name)
+    assert compute_error(eager[0].weight.grad, model[0].weight.grad) > 40
+    if backend == "capture":
+        (first_fw, first_bw), (ready_fw, ready_bw) = graphs[:2], graphs[2:4]
+        # Step 1: every cast waits for its amax (2 layers: input, weight; grad_output).
+        assert _casts_waiting_for_a_reduction(first_fw)[1] > 0
+        assert _casts_waiting_for_a_reduction(first_bw)[1] > 0
+        for graph in (ready_fw, ready_bw):
+            casts, waiting = _casts_waiting_for_a_reduction(graph)
+            assert casts > 0 and waiting == 0
+
+
+def test_compiled_one_pass_turns_an_inf_into_nan():
+    """Without the amax before the cast, the scale cannot turn NaN: the cast itself makes an
+    inf NaN (as the eager kernel does), never a saturated finite value."""
+    config = delayed_config(delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True))
+    layer = Float8Linear(K, N, bias=False, config=config)
+    layer(torch.randn(M, K)).sum().backward()
+    sync_float8_amax_and_scale_history(layer)
+    x = torch.randn(M, K)
+    x[3, 5] = float("inf")
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    assert out[3].isnan().all() and torch.isfinite(out[:3]).all()
+
+
 def test_sync_compiles_fullgraph():
     model = convert_to_float8_training(
         nn.Sequential(nn.Linear(K, K), nn.Linear(K, N)), config=delayed_config()
