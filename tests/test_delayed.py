@@ -146,6 +146,25 @@ def test_static_scale_is_the_given_one():
     assert compute_error(x8 @ w8.t(), out) > 40
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON)))],
+)  # fmt: skip
+def test_static_scale_turns_an_inf_into_nan_not_a_saturated_value(device):
+    """A static scale never sees the data: the cast itself makes an inf NaN, on the torch path
+    and in the eager kernel alike, so that it reaches the loss."""
+    config = Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="static", static_scale=4.0)
+    )
+    layer = Float8Linear(K, N, bias=False, config=config).to(device)
+    x = torch.randn(M, K, device=device)
+    x[3, 5] = float("inf")
+    with torch.no_grad():
+        out = layer(x)
+    assert out[3].isnan().all() and torch.isfinite(out[:3]).all()
+
+
 def test_delayed_training_tracks_fp32():
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(K, 128), nn.ReLU(), nn.Linear(128, N))
