@@ -7,7 +7,8 @@ same three gemms in bf16.
     output      (M, K) x (K, N)     grad_input  (M, N) x (N, K)     grad_weight  (N, M) x (M, K)
 
 fp8 uses tensorwise scales, e4m3 operands and an e5m2 grad_output, fast accumulation for the
-output gemm only, as Float8Linear does. pct_fp8_peak: 6*M*K*N FLOPs over the float8 time as a
+output gemm only, as Float8Linear does. Where torch's block-scaled gemm runs (sm90, CUDA >=
+12.9), the blockwise recipe's three gemms are timed too (blockwise_* columns). pct_fp8_peak: 6*M*K*N FLOPs over the float8 time as a
 share of --fp8-peak-tflops (default 1979 on H100/H200).
 """
 
@@ -26,8 +27,10 @@ from benchmarks.utils import (
     print_environment,
     write_csv,
 )
-from fp8train import to_float8
-from fp8train.config import E4M3, E5M2
+from fp8train import Float8LinearConfig, to_float8
+from fp8train.cast import cast_for_gemm
+from fp8train.config import BLOCK, E4M3, E5M2, Gemm, Role
+from fp8train.matmul import block_scaled_gemm_runs, scaled_mm
 
 
 def three_gemms(m: int, k: int, n: int, device: str, hp_dtype: torch.dtype) -> dict[str, float]:
@@ -51,7 +54,35 @@ def three_gemms(m: int, k: int, n: int, device: str, hp_dtype: torch.dtype) -> d
         torch._scaled_mm(g8._data, w8_cm._data, one, one, out_dtype=hp_dtype)
         torch._scaled_mm(g8_cm._data.t(), x8_cm._data, one, one, out_dtype=hp_dtype)
 
-    return {"hp": median_time_s(hp, device), "fp8": median_time_s(fp8, device)}
+    times = {"hp": median_time_s(hp, device), "fp8": median_time_s(fp8, device)}
+    blockwise = blockwise_gemms(x, w, g)
+    if blockwise is not None:
+        times["blockwise"] = median_time_s(blockwise, device)
+    return times
+
+
+def blockwise_gemms(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):  # noqa: ANN201
+    """The blockwise recipe's three gemms on operands cast as Float8Linear casts them, or None
+    where they would be emulated (no block-scaled gemm: CPU, not sm90, CUDA < 12.9) or the
+    shape is not in whole blocks."""
+    config = Float8LinearConfig.from_recipe_name("blockwise")
+    if any(size % BLOCK for size in (*x.shape, w.shape[0])):
+        return None
+    x_out = cast_for_gemm(x, Role.INPUT, Gemm.OUTPUT, config)
+    w_out = cast_for_gemm(w, Role.WEIGHT, Gemm.OUTPUT, config)
+    g_in = cast_for_gemm(g, Role.GRAD_OUTPUT, Gemm.GRAD_INPUT, config)
+    w_in = cast_for_gemm(w, Role.WEIGHT, Gemm.GRAD_INPUT, config)
+    g_w = cast_for_gemm(g, Role.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, config).t()
+    x_w = cast_for_gemm(x, Role.INPUT, Gemm.GRAD_WEIGHT, config)
+    operands = ((x_out, w_out.t()), (g_in, w_in), (g_w, x_w))
+    if not all(block_scaled_gemm_runs(a, b, x.dtype) for a, b in operands):
+        return None
+
+    def run() -> None:
+        for a, b in operands:
+            scaled_mm(a, b, out_dtype=x.dtype)
+
+    return run
 
 
 def main() -> None:
@@ -72,7 +103,7 @@ def main() -> None:
     rows = []
     for name, (m, k, n) in shapes.items():
         runs = [three_gemms(m, k, n, args.device, hp_dtype) for _ in range(3)]
-        t = {key: statistics.median(r[key] for r in runs) for key in ("hp", "fp8")}
+        t = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         flops = 6 * m * k * n
         rows.append(
             {
@@ -87,7 +118,10 @@ def main() -> None:
                 "pct_fp8_peak": 100 * flops / t["fp8"] / (peak * 1e12) if peak else None,
             }
         )
-    print(markdown_table(rows))
+        if "blockwise" in t:  # torch's block-scaled gemm (sm90): the blockwise recipe's floor
+            rows[-1]["blockwise_time_sec"] = t["blockwise"]
+            rows[-1]["blockwise_speedup"] = t["hp"] / t["blockwise"]
+    print(markdown_table(rows, list(dict.fromkeys(key for row in rows for key in row))))
     print(
         f"\ngeometric mean fp8_speedup: "
         f"{statistics.geometric_mean(r['fp8_speedup'] for r in rows):.3f}x"

@@ -61,3 +61,12 @@ def test_csv_holds_the_columns_of_every_row(tmp_path):
         read = list(csv.DictReader(handle))
     assert [row["recipe"] for row in read] == ["blockwise", "rowwise"]
     assert read[0]["vs_torchao"] == "" and read[1]["vs_torchao"] == "1.1"
+
+
+def test_bench_matmul_times_blockwise_only_where_the_block_scaled_gemm_runs():
+    """No blockwise column from emulated gemms (here: the CPU) or shapes not in whole blocks."""
+    from benchmarks.bench_matmul import blockwise_gemms
+
+    x, w, g = torch.randn(256, 256), torch.randn(128, 256), torch.randn(256, 128)
+    assert blockwise_gemms(x, w, g) is None
+    assert blockwise_gemms(torch.randn(100, 256), w, torch.randn(100, 128)) is None
