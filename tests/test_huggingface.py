@@ -1,10 +1,13 @@
 """A Hugging Face LlamaForCausalLM, built from a config (random weights, nothing downloaded),
 converts with convert_to_float8_training (lm_head left out) and trains."""
 
+import copy
+
 import pytest
 import torch
 
-from fp8train import Float8Linear, convert_to_float8_training
+from fp8train import Float8Linear, compute_error, convert_to_float8_training
+from tests.conftest import FLOAT8_GPU_REASON
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 
@@ -51,3 +54,42 @@ def test_converted_llama_keeps_the_checkpoint_format():
     )
     assert converted.state_dict().keys() == plain.state_dict().keys()
     plain.load_state_dict(converted.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("device", "backend"),
+    [
+        ("cpu", "aot_eager"),
+        pytest.param("cuda", "inductor", marks=pytest.mark.skipif(
+            FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON))),
+    ],
+)  # fmt: skip
+def test_llama_for_causal_lm_trains_with_compiled_decoder_layers(device, backend):
+    """Each decoder layer compiled with fullgraph=True (no graph breaks), as torchtitan compiles
+    blocks: the losses and gradients of eager float8."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = convert_to_float8_training(
+        tiny_llama(), module_filter_fn=lambda module, fqn: fqn != "lm_head"
+    ).to(device, dtype)
+    eager = copy.deepcopy(model)
+    counter = CompileCounterWithBackend(backend)
+    for layer in model.model.layers:
+        layer.compile(backend=counter, fullgraph=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    tokens = torch.randint(0, 256, (4, 32), device=device)
+    for _ in range(3):
+        losses = []
+        for m, optimizer in zip((model, eager), optimizers, strict=True):
+            loss = m(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.detach().float())
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(losses[0], losses[1], rtol=2e-2, atol=0)
+    assert counter.frame_count == len(model.model.layers)  # one graph per layer, no breaks
+    q_compiled = model.model.layers[0].self_attn.q_proj.weight
+    q_eager = eager.model.layers[0].self_attn.q_proj.weight
+    assert compute_error(q_eager.float(), q_compiled.float()) > 30
