@@ -8,8 +8,8 @@ same three gemms in bf16.
 
 fp8 uses tensorwise scales, e4m3 operands and an e5m2 grad_output, fast accumulation for the
 output gemm only, as Float8Linear does. Where torch's block-scaled gemm runs (sm90, CUDA >=
-12.9), the blockwise recipe's three gemms are timed too (blockwise_* columns). pct_fp8_peak: 6*M*K*N FLOPs over the float8 time as a
-share of --fp8-peak-tflops (default 1979 on H100/H200).
+12.9), the blockwise recipe's three gemms are timed too (blockwise_* columns). pct_fp8_peak:
+6*M*K*N FLOPs over the float8 time as a share of --fp8-peak-tflops (default 1979 on H100/H200).
 """
 
 from __future__ import annotations

@@ -245,7 +245,9 @@ def _casts_waiting_for_a_reduction(graph: torch.fx.GraphModule) -> tuple[int, in
         if n.op == "call_function" and is_float8(n) and not any(map(is_float8, n.all_input_nodes))
     ]
     waiting = [
-        n for n in casts if any(any(r in str(a.target) for r in reductions) for a in ancestors(n, set()))
+        n
+        for n in casts
+        if any(any(r in str(a.target) for r in reductions) for a in ancestors(n, set()))
     ]
     return len(casts), len(waiting)
 
@@ -271,7 +273,9 @@ def test_compiled_one_pass_recompiles_once_and_casts_without_waiting_for_the_ama
         nn.Sequential(nn.Linear(K, 128), nn.ReLU(), nn.Linear(128, N)), config=config
     )
     eager = copy.deepcopy(model)
-    inner = aot_autograd(fw_compiler=capture, bw_compiler=capture) if backend == "capture" else backend
+    inner = (
+        aot_autograd(fw_compiler=capture, bw_compiler=capture) if backend == "capture" else backend
+    )
     counter = CompileCounterWithBackend(inner)
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     for _ in range(4):
