@@ -155,9 +155,11 @@ def shared_input_operands(
     tensor with the same casts: attention's q, k and v projections, the FFN's gate and up
     projections. Cast once, kept for backward once, instead of once per layer.
 
-    Eager mode with dynamic scales only: compiled code needs no lookup (the compile
-    partitioner's CSE merges the identical casts, tests/test_compile.py), a delayed or static cast
-    has its own layer's scale, the stats observer wants every layer's casts, and where
+    Delayed scaling shares too: the first layer's cast (its scale) serves the others, and each
+    of them records the same amax into its own state, so the histories of layers that read one
+    input stay equal, and so do their scales. Eager mode only: compiled code needs no lookup
+    (the compile partitioner's CSE merges the identical casts, tests/test_compile.py), a
+    static cast has its own layer's scale, the stats observer wants every layer's casts, and where
     backward keeps the hp input (recompute_input_cast=True) a shared float8 copy would be
     memory that nothing else keeps. Only for inputs made in this forward (with a grad_fn): a
     leaf the caller feeds again and again (a benchmark's input, a batch kept around) must be
@@ -168,7 +170,6 @@ def shared_input_operands(
     if (
         torch.compiler.is_compiling()  # first: dynamo cannot read grad_fn
         or input.grad_fn is None
-        or state is not None
         or observer is not None
         or isinstance(input, Float8Tensor)
         or config.cast_config(Role.INPUT, Gemm.OUTPUT).scaling_type is ScalingType.STATIC
@@ -185,13 +186,23 @@ def shared_input_operands(
         keeps_float8(config, Role.INPUT),
         config.round_scales_to_power_of_2,
         backward,
+        # Delayed: only with the same history rules; dynamic casts have no state.
+        None if state is None else config.delayed_scaling_config,
     )
     casts = _INPUT_CASTS.setdefault(input, {})
     if key not in casts:
         for stale in [k for k in casts if k[0] != input._version]:
             del casts[stale]
-        casts[key] = forward_operands(input_2d, Role.INPUT, config, None, None, backward)
-    return casts[key]
+        operands = forward_operands(input_2d, Role.INPUT, config, None, state, backward)
+        casts[key] = (operands, None if state is None else state.amax)
+        return operands
+    operands, recorded = casts[key]
+    if state is not None and state.amax is not recorded:
+        # The first layer's cast recorded this input's amax (in the kernel, or before it):
+        # this layer's history gets the same.
+        with torch.no_grad():
+            torch.maximum(state.amax, recorded, out=state.amax)
+    return operands
 
 
 def kept_for_backward(

@@ -156,6 +156,49 @@ def test_layers_reading_one_input_share_its_cast_and_its_kept_copy(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_delayed_layers_reading_one_input_share_its_cast_and_keep_equal_histories(monkeypatch):
+    """Delayed scaling: one cast (the first layer's scale) for q, k and v, and every layer's
+    history gets the input's amax, so over steps and syncs the histories, scales and
+    gradients are those of separate casts."""
+    from fp8train import CastConfig, sync_float8_amax_and_scale_history
+
+    delayed = CastConfig(scaling_type="delayed")
+    config = Float8LinearConfig(
+        cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+    )
+    torch.manual_seed(0)
+    base = torch.nn.ModuleList(Float8Linear(64, 32, bias=False, config=config) for _ in range(3))
+
+    def run(share: bool):  # noqa: ANN202
+        torch.manual_seed(1)
+        projections = copy.deepcopy(base)
+        counts, grads = [], []
+        for _ in range(3):
+            x = torch.randn(16, 64, requires_grad=True)
+            calls = record_casts(monkeypatch)
+            normed = x * 2  # made in this forward: shared; each a fresh tensor: not shared
+            outs = [layer(normed if share else x * 2) for layer in projections]
+            monkeypatch.undo()
+            counts.append([call.shape for call in calls].count((16, 64)))
+            sum(out.square().sum() for out in outs).backward()
+            sync_float8_amax_and_scale_history(projections)
+            grads += [x.grad] + [layer.weight.grad.clone() for layer in projections]
+            projections.zero_grad()
+        return counts, grads, projections
+
+    shared_counts, shared_grads, shared = run(share=True)
+    separate_counts, separate_grads, separate = run(share=False)
+    assert shared_counts == [1, 1, 1] and separate_counts == [3, 3, 3]
+    for a, b in zip(shared_grads, separate_grads, strict=True):
+        assert torch.equal(a, b)
+    histories = [layer.fp8_amax_history_input for layer in shared]
+    assert histories[0][2] > 0  # three steps recorded
+    for one, other in zip(shared, separate, strict=True):
+        assert torch.equal(one.fp8_amax_history_input, histories[0])
+        assert torch.equal(one.fp8_amax_history_input, other.fp8_amax_history_input)
+        assert torch.equal(one.fp8_scale_input, other.fp8_scale_input)
+
+
 def test_an_input_kept_in_high_precision_is_not_shared(monkeypatch):
     """recompute_input_cast=True keeps the hp input for backward: a shared float8 copy would
     live with it until backward, so each layer casts for itself and drops its cast."""
