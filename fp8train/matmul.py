@@ -25,6 +25,7 @@ from fp8train.policy import (
     forward_operands,
     kept_for_backward,
     observe_cast,
+    relaid_in_backward,
     shared_input_operands,
 )
 from fp8train.tensor import Float8Tensor
@@ -408,6 +409,8 @@ def linear_mm(
         weight_for_output, weight_for_backward = forward_operands(
             weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT), backward
         )
+    if isinstance(weight, Float8Tensor) and backward and torch.compiler.is_compiling():
+        weight_for_backward = relaid_in_backward(weight, Role.WEIGHT)
     if not backward:
         a = input_2d if input_for_output is None else input_for_output
         b = weight if weight_for_output is None else weight_for_output

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fp8train.cast import cast_for_gemm, cast_for_gemms, cast_key, with_layout
+from fp8train.cast import _column_major, cast_for_gemm, cast_for_gemms, cast_key, with_layout
 from fp8train.config import Float8LinearConfig, Gemm, Role, ScalingType
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.scaling import raise_amax
@@ -219,10 +219,31 @@ def kept_for_backward(
     if not keeps_float8(config, role):
         return hp
     if isinstance(hp, Float8Tensor):
-        return with_layout(hp, role, BACKWARD_GEMM[role])
+        # FSDP's float8 all-gather: keep the gathered weight itself, whose storage FSDP frees
+        # after forward and refills before backward. A copy in the backward gemm's layout
+        # made now would stay alive from forward to backward, one byte per weight element
+        # per layer (what recompute_weight_cast avoids): it is made in backward (compiled:
+        # relaid_in_backward).
+        return hp
     # Kept in the layout of the backward gemm: the transposed copy is made now, while memory
     # is lower than at backward's peak, and the forward layout is freed.
     return with_layout(for_output, role, BACKWARD_GEMM[role])
+
+
+def relaid_in_backward(fp8: Float8Tensor, role: Role) -> Float8Tensor:
+    """`fp8` (a weight from FSDP's float8 all-gather) in its backward gemm's layout, the copy
+    tagged for recomputation, for compiled code: the partitioner would otherwise make it in
+    forward and keep it, as it cannot see that FSDP frees the gathered weight it comes from.
+    Called outside the autograd.Function, where the tags reach the partitioner."""
+    if with_layout(fp8, role, BACKWARD_GEMM[role]) is fp8:  # already in that layout
+        return fp8
+    data = checkpoint(
+        _column_major,
+        fp8._data,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _SAVE_POLICIES[False]),
+    )
+    return Float8Tensor(data, fp8._scale, fp8._orig_dtype, fp8._granularity)
 
 
 def _shared(config: Float8LinearConfig, role: Role) -> bool:

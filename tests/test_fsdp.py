@@ -286,3 +286,75 @@ def test_delayed_scaling_under_fsdp2_syncs_one_global_amax(tmp_path):
     # The first layer's input history holds the max over ranks, newest first.
     expected = torch.maximum(results[0]["local"], results[1]["local"]).flip(0)
     assert torch.equal(results[0]["buffers"]["0.fp8_amax_history_input"][:3], expected)
+
+
+def _compiled_worker(rank: int, out_dir: str, compiled: bool) -> None:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 48, bias=False))
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    saved = []
+
+    def record(gm, _inputs):  # noqa: ANN001, ANN202
+        saved.extend(
+            (
+                str(n.meta["val"].dtype),
+                tuple(int(s) for s in n.meta["val"].shape),
+                tuple(int(s) for s in n.meta["val"].stride()),
+            )
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and not n.name.startswith("tangents")
+        )
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        bw_compiler=record,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    if compiled:
+        for layer in (model[0], model[2]):
+            layer.compile(backend=backend, fullgraph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1 + rank)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(32, 64)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    torch.save({"losses": torch.stack(losses), "saved": saved}, f"{out_dir}/{rank}.pt")
+
+
+def test_compiled_layers_keep_the_gathered_float8_weight_not_a_copy(tmp_path):
+    """Compiled, the backward graph receives each all-gathered float8 weight itself, whose
+    storage FSDP frees after forward and refills for backward, and no transposed copy made in
+    forward, which would live from forward to backward (one byte per weight element per
+    layer). The losses are those of eager."""
+    results = {}
+    for compiled in (False, True):
+        out_dir = tmp_path / str(compiled)
+        out_dir.mkdir()
+        spawn(_compiled_worker, str(out_dir), compiled)
+        results[compiled] = [torch.load(out_dir / f"{r}.pt") for r in range(WORLD_SIZE)]
+    weights = {(128, 64), (48, 128)}
+    for rank in range(WORLD_SIZE):
+        torch.testing.assert_close(results[True][rank]["losses"], results[False][rank]["losses"])
+        float8_weights = [
+            (shape, stride)
+            for dtype, shape, stride in results[True][rank]["saved"]
+            if dtype == str(torch.float8_e4m3fn) and shape in weights
+        ]
+        # The second layer's weight (the first layer computes no grad_input, so backward does
+        # not need its weight), row-major as gathered.
+        assert float8_weights == [((48, 128), (128, 1))]
