@@ -159,13 +159,18 @@ def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torc
         return storage.nbytes()
 
     total = 0
+    # What the forward saves stays alive here until the count is done: a freed storage's
+    # address would be reused by a later tensor, which the count would then skip as seen.
+    alive: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> None:
         nonlocal total
         total += count(t)
-        # Nothing is kept: returning t itself would make a tensor that its own grad_fn saves
-        # (an op's output) hold that node, a cycle through C++ that the garbage collector
-        # cannot see, and the whole forward's activations would outlive this function.
+        alive.append(t)
+        # The graph itself keeps nothing: returning t would make a tensor that its own grad_fn
+        # saves (an op's output) hold that node, a cycle through C++ that the garbage
+        # collector cannot see, and the whole forward's activations would outlive this
+        # function. The list is freed on return, with no such cycle.
 
     def unpack(_: None) -> torch.Tensor:
         raise RuntimeError("saved_activation_bytes runs forward only")
@@ -173,6 +178,7 @@ def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torc
     # Forward alone suffices (tensors are saved as it runs); the graph is freed on return.
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         lm_loss(model, inputs, targets)
+    alive.clear()
     return total
 
 

@@ -165,3 +165,27 @@ def test_counting_saved_activations_frees_them(float8: bool) -> None:
     before = graph_tensors()
     assert saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:]) > 0
     assert graph_tensors() == before
+
+
+def test_counting_saved_activations_counts_each_saved_storage_once() -> None:
+    """Exact on a model whose saves are known, among them tensors that the forward drops as it
+    goes: a dropped storage's address, reused by the next tensor, must not make the count skip
+    that tensor as already seen."""
+
+    class Relus(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(64, 256)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = torch.nn.functional.one_hot(tokens, 64).float().requires_grad_()
+            for _ in range(4):
+                x = torch.relu(x * 1.0)  # relu saves its output; the previous one is dropped
+            return self.head(x)  # saves its input: the last relu's output, the same storage
+
+    tokens = torch.randint(0, 64, (4, 16))
+    counts = {saved_activation_bytes(Relus(), tokens, tokens) for _ in range(3)}
+    # 4 relu outputs, fp32; the loss's log-softmax output, fp32, its targets, int64, and its
+    # total weight, one fp32 (the fp32 logits' .float() is the logits themselves).
+    expected = 4 * (4 * 16 * 64 * 4) + 4 * 16 * 256 * 4 + 4 * 16 * 8 + 4
+    assert counts == {expected}
