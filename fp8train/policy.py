@@ -47,7 +47,14 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fp8train.cast import _column_major, cast_for_gemm, cast_for_gemms, cast_key, with_layout
+from fp8train.cast import (
+    _COLUMN_MAJOR,
+    _column_major,
+    cast_for_gemm,
+    cast_for_gemms,
+    cast_key,
+    with_layout,
+)
 from fp8train.config import Float8LinearConfig, Gemm, Role, ScalingType
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.scaling import raise_amax
@@ -235,11 +242,13 @@ def relaid_in_backward(fp8: Float8Tensor, role: Role) -> Float8Tensor:
     tagged for recomputation, for compiled code: the partitioner would otherwise make it in
     forward and keep it, as it cannot see that FSDP frees the gathered weight it comes from.
     Called outside the autograd.Function, where the tags reach the partitioner."""
-    if with_layout(fp8, role, BACKWARD_GEMM[role]) is fp8:  # already in that layout
-        return fp8
+    data = fp8._data
+    column_major = _COLUMN_MAJOR[(role, BACKWARD_GEMM[role])] and data.dim() == 2
+    if not column_major or data.t().is_contiguous():
+        return fp8  # already in that layout
     data = checkpoint(
         _column_major,
-        fp8._data,
+        data,
         use_reentrant=False,
         context_fn=functools.partial(create_selective_checkpoint_contexts, _SAVE_POLICIES[False]),
     )
