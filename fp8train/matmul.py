@@ -163,15 +163,10 @@ def _block_scaled_mm_impl(
     )
 
 
-@torch.library.custom_op("fp8train::block_scaled_mm", mutates_args=())
-def _block_scaled_mm_op(
-    a: torch.Tensor,
-    a_inv: torch.Tensor,
-    b: torch.Tensor,
-    b_inv: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return _block_scaled_mm_impl(a, a_inv, b, b_inv, out_dtype)
+# The same function as an op for compiled code; eager calls it directly (no op dispatch).
+_block_scaled_mm_op = torch.library.custom_op("fp8train::block_scaled_mm", mutates_args=())(
+    _block_scaled_mm_impl
+)
 
 
 @_block_scaled_mm_op.register_fake

@@ -202,20 +202,27 @@ def test_checkpoints_round_trip_and_load_both_ways():
     assert torch.equal(plain[0].weight, model[0].weight)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_delayed_scaling_has_one_graph_and_no_recompiles(backend):
-    torch._dynamo.reset()
+def train_compiled_and_eager(config: Float8LinearConfig, backend, steps: int):  # noqa: ANN001, ANN201
+    """A two-layer delayed model trained `steps` steps compiled and, as a copy, eagerly, with
+    a sync after each: (compiled model, eager model, the compile counter)."""
     model = convert_to_float8_training(
-        nn.Sequential(nn.Linear(K, 128), nn.ReLU(), nn.Linear(128, N)), config=delayed_config()
+        nn.Sequential(nn.Linear(K, 128), nn.ReLU(), nn.Linear(128, N)), config=config
     )
     eager = copy.deepcopy(model)
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter, fullgraph=True)
-    for _ in range(3):
+    for _ in range(steps):
         x = torch.randn(M, K)
         for module, target in ((compiled, model), (eager, eager)):
             module(x).square().sum().backward()
             sync_float8_amax_and_scale_history(target)
+    return model, eager, counter
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_delayed_scaling_has_one_graph_and_no_recompiles(backend):
+    torch._dynamo.reset()
+    model, eager, counter = train_compiled_and_eager(delayed_config(), backend, steps=3)
     assert counter.frame_count == 1
     for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
         if name.endswith(("history_input", "scale_input", "initialized_input")):
@@ -269,20 +276,10 @@ def test_compiled_one_pass_recompiles_once_and_casts_without_waiting_for_the_ama
         return make_boxed_func(gm.forward)
 
     config = delayed_config(delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True))
-    model = convert_to_float8_training(
-        nn.Sequential(nn.Linear(K, 128), nn.ReLU(), nn.Linear(128, N)), config=config
-    )
-    eager = copy.deepcopy(model)
     inner = (
         aot_autograd(fw_compiler=capture, bw_compiler=capture) if backend == "capture" else backend
     )
-    counter = CompileCounterWithBackend(inner)
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    for _ in range(4):
-        x = torch.randn(M, K)
-        for module, target in ((compiled, model), (eager, eager)):
-            module(x).square().sum().backward()
-            sync_float8_amax_and_scale_history(target)
+    model, eager, counter = train_compiled_and_eager(config, inner, steps=4)
     assert counter.frame_count == 2  # step 1, then once the scales are ready
     for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
         if "fp8_" in name:
