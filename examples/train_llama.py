@@ -228,7 +228,8 @@ def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> No
     if caption:
         figure.text(0.01, 0.01, caption, fontsize=6, wrap=True)
     figure.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
-    figure.savefig(path, dpi=150)
+    # The caption also as the PNG's own text, readable without looking at the picture.
+    figure.savefig(path, dpi=150, metadata={"Description": caption} if caption else None)
 
 
 def caption_of(environment: dict[str, str]) -> str:
