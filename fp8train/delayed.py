@@ -117,7 +117,9 @@ def stateful_scale(
 
 
 # Per model, the previous sync's flags still to be read (kept off the module, which may be
-# deep-copied or pickled).
+# deep-copied or pickled). A value must not reach its key: under FSDP2 every layer reaches the
+# root through the shared FSDP state, so the check holds its layers by weak reference, or a
+# model dropped on CUDA would stay alive, parameters and all, waiting for a next sync.
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -164,7 +166,10 @@ class _PendingCheck:
     now would wait for the whole step and leave the GPU idle while the next one is launched."""
 
     def __init__(self, checks: list) -> None:  # noqa: ANN001
-        self.checks = [(owners, entries) for owners, entries, _, _ in checks]
+        self.checks = [
+            ([weakref.ref(m) for m in owners], [(fqn, role) for fqn, role, *_ in entries])
+            for owners, entries, _, _ in checks
+        ]
         flags = torch.cat([torch.cat([f, i]) for _, _, f, i in checks])
         self.on_cpu = flags.device.type != "cuda"
         if self.on_cpu:
@@ -183,9 +188,12 @@ class _PendingCheck:
             n = len(entries)
             finite, initialized = flags[offset : offset + n], flags[offset + n : offset + 2 * n]
             offset += 2 * n
-            for module, (fqn, role, *_), ok, ready in zip(
+            for module_ref, (fqn, role), ok, ready in zip(
                 owners, entries, finite, initialized, strict=True
             ):
+                module = module_ref()
+                if module is None:  # the model was dropped since
+                    continue
                 if not ok:
                     bad.append(f"{fqn or '<root>'}:{role.value}")
                 module._fp8_ready_roles.discard(role)

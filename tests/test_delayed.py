@@ -333,6 +333,42 @@ def test_sync_marks_scales_ready_and_a_load_clears_the_mark():
     assert layer._fp8_ready_roles == set()
 
 
+def test_a_model_dropped_between_syncs_is_freed(monkeypatch):
+    """On CUDA a sync leaves its flags to be read at the next one. Under FSDP2 every layer
+    reaches the root model through the shared FSDP state; a layer that references its root
+    stands in for that here. The pending flags must not keep such a model alive."""
+    import gc
+    import weakref
+
+    from fp8train import delayed
+
+    deferred = delayed._PendingCheck.__init__
+
+    def as_on_cuda(self, checks):  # noqa: ANN001, ANN202
+        deferred(self, checks)
+        self.on_cpu = False  # read at the next sync, as the flags of a CUDA model are
+
+    monkeypatch.setattr(delayed._PendingCheck, "__init__", as_on_cuda)
+
+    def train_one_step() -> weakref.ref:
+        model = nn.Sequential(nn.Linear(K, N, bias=False))
+        convert_to_float8_training(model, config=delayed_config())
+        object.__setattr__(model[0], "root", model)  # a cycle through the root, as FSDP2's
+        model(torch.randn(M, K)).sum().backward()
+        sync_float8_amax_and_scale_history(model)
+        assert model in delayed._PENDING  # deferred, as on CUDA
+        model(torch.randn(M, K)).sum().backward()
+        sync_float8_amax_and_scale_history(model)  # reads the first step's flags
+        assert {role.value for role in model[0]._fp8_ready_roles} == {
+            "input", "weight", "grad_output"
+        }  # fmt: skip
+        return weakref.ref(model)
+
+    model = train_one_step()
+    gc.collect()
+    assert model() is None
+
+
 @pytest.mark.parametrize("cast", ["to", "bfloat16", "half", "double"])
 def test_delayed_state_stays_fp32_when_the_model_changes_dtype(cast):
     """model.to(bf16) and friends convert parameters, not the scaling state: an amax history
