@@ -83,7 +83,12 @@ def bench_shape(name, m, k, n, ref_dtype, compiled, recompute, recipe, device, s
         config = Float8LinearConfig.from_recipe_name(recipe, recompute_weight_cast=recompute)
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
     layers = {"ref": ref, "fp8": fp8_layer}
-    if torchao_float8 is not None and recipe in TORCHAO_RECIPES:
+    # torchao.float8's rowwise recipes need CUDA's rowwise scaled gemm: on another device
+    # only its tensorwise recipe runs beside ours.
+    torchao_runs = recipe in TORCHAO_RECIPES and (
+        torch.device(device).type == "cuda" or recipe == "tensorwise"
+    )
+    if torchao_float8 is not None and torchao_runs:
         ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
         layers["torchao"] = torchao_float8.convert_to_float8_training(
             nn.Sequential(copy.deepcopy(ref)), config=ao_config
