@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fp8train.config import BLOCK, CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
-from fp8train.kernels import HAS_TRITON, cast_2d, empty_2d
+from fp8train.kernels import HAS_TRITON, amax_2d, cast_2d, empty_2d
 from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
 
@@ -109,10 +109,18 @@ def cast_layouts(
         # The kernel itself, not the fp8train custom ops that wrap it for tracing: their
         # Python dispatch costs ~30 us a call on the host, and a layer casts 4 times a step.
         row, col = False in layouts, True in layouts
+        inverse = None
+        if granularity is ScalingGranularity.TENSORWISE:
+            # One allocation for the amax, the scale and its inverse (what the gemm takes,
+            # written by the cast kernel: no reciprocal launch per gemm), 16 bytes apart:
+            # cuBLAS refuses a scale that is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED).
+            slots = torch.empty(3, 4, device=hp.device)[:, 0]
+            hp_amax, new_scale, inverse = slots.unbind()
         if scale is None and granularity is ScalingGranularity.TENSORWISE:
             scale, *data = cast_2d(
-                hp, amax(hp, granularity, None), float8_dtype, row_major=row, column_major=col,
+                hp, amax_2d(hp, hp_amax), float8_dtype, row_major=row, column_major=col,
                 scale_from_amax=True, round_to_power_of_2=round_scales_to_power_of_2,
+                scale_out=new_scale, inverse_out=inverse,
             )  # fmt: skip
         else:
             if scale is None:
@@ -122,9 +130,13 @@ def cast_layouts(
                     round_to_power_of_2=round_scales_to_power_of_2,
                 )
             _, *data = cast_2d(
-                hp, scale, float8_dtype, row_major=row, column_major=col, record_amax=record_amax
-            )
-        return [Float8Tensor(data[int(cm)], scale, hp.dtype, granularity) for cm in layouts]
+                hp, scale, float8_dtype, row_major=row, column_major=col, record_amax=record_amax,
+                inverse_out=inverse,
+            )  # fmt: skip
+        casts = [Float8Tensor(data[int(cm)], scale, hp.dtype, granularity) for cm in layouts]
+        for fp8 in casts:
+            fp8._inv_scale = inverse
+        return casts
     if record_amax is not None:
         # A delayed cast with an earlier step's scale (compiled, or without the kernel): the
         # amax is this step's by-product, as in the kernel.
@@ -188,7 +200,7 @@ def with_layout(fp8: Float8Tensor, role: Role, gemm: Gemm) -> Float8Tensor:
     data = _column_major(fp8._data)
     if data is fp8._data:
         return fp8
-    return Float8Tensor(data, fp8._scale, fp8._orig_dtype, fp8._granularity)
+    return fp8.rewrapped(data)
 
 
 def _layouts_of(data: torch.Tensor, row_major: bool, column_major: bool) -> tuple:

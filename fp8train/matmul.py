@@ -21,6 +21,7 @@ from fp8train.cast import cast_for_gemm, cast_for_gemms, cast_key
 from fp8train.config import BLOCK, Float8LinearConfig, Gemm, Role, ScalingGranularity, ScalingType
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.policy import (
+    BACKWARD_GEMM,
     Observer,
     forward_operands,
     kept_for_backward,
@@ -72,7 +73,7 @@ def scaled_mm(
         return torch.mm(a.to_hp(torch.float32), b.to_hp(torch.float32)).to(out_dtype)
     a_data, b_data = a._data, b._data
     # _scaled_mm takes the fp8 -> hp scales; 0-d for tensorwise, (M, 1) and (1, N) rowwise.
-    a_inv_scale, b_inv_scale = a._scale.reciprocal(), b._scale.reciprocal()
+    a_inv_scale, b_inv_scale = _inverse_scale(a), _inverse_scale(b)
     k, n = b_data.shape
     pad_k, pad_n = -k % ALIGNMENT, -n % ALIGNMENT
     if pad_k or pad_n:
@@ -95,6 +96,13 @@ def scaled_mm(
         use_fast_accum=use_fast_accum,
     )
     return out[:, :n] if pad_n else out
+
+
+def _inverse_scale(fp8: Float8Tensor) -> torch.Tensor:
+    """The fp8 -> hp scale: the one the eager cast kernel wrote, else the reciprocal."""
+    if fp8._inv_scale is not None and not torch.compiler.is_compiling():
+        return fp8._inv_scale
+    return fp8._scale.reciprocal()
 
 
 @functools.cache
@@ -253,16 +261,30 @@ def _gemm(
     return torch.mm(a, b.to(a.dtype)).to(out_dtype)
 
 
+def _t(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor.t()`; for a Float8Tensor in eager mode without the aten dispatch."""
+    if type(tensor) is Float8Tensor and not torch.compiler.is_compiling():
+        return tensor.transposed()
+    return tensor.t()
+
+
 def _pack(tensor: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple | None]:
     """Split a Float8Tensor into plain tensors for save_for_backward (what saved-tensor hooks
-    and the compile partitioner see: float8 bytes and an fp32 scale)."""
+    and the compile partitioner see: float8 bytes and an fp32 scale). The inverse scale of an
+    eager cast (4 bytes) rides along in the metadata."""
     if isinstance(tensor, Float8Tensor):
-        return (tensor._data, tensor._scale), (tensor._orig_dtype, tensor._granularity)
+        inverse = None if torch.compiler.is_compiling() else tensor._inv_scale
+        return (tensor._data, tensor._scale), (tensor._orig_dtype, tensor._granularity, inverse)
     return (tensor,), None
 
 
 def _unpack(tensors: tuple[torch.Tensor, ...], meta: tuple | None) -> torch.Tensor:
-    return tensors[0] if meta is None else Float8Tensor(tensors[0], tensors[1], *meta)
+    if meta is None:
+        return tensors[0]
+    orig_dtype, granularity, inverse = meta
+    fp8 = Float8Tensor(tensors[0], tensors[1], orig_dtype, granularity)
+    fp8._inv_scale = inverse
+    return fp8
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -284,7 +306,7 @@ class _Float8Matmul(torch.autograd.Function):
     ) -> torch.Tensor:
         a = input_hp if input_for_output is None else input_for_output
         b = weight_hp if weight_for_output is None else weight_for_output
-        output = _gemm(Gemm.OUTPUT, a, b.t(), config, input_hp.dtype)
+        output = _gemm(Gemm.OUTPUT, a, _t(b), config, input_hp.dtype)
         input_kept = kept_for_backward(
             input_hp, input_for_output, input_for_backward, Role.INPUT, config
         )
@@ -295,9 +317,9 @@ class _Float8Matmul(torch.autograd.Function):
         weight_tensors, ctx.weight_meta = _pack(weight_kept)
         ctx.num_input_tensors = len(input_tensors)
         ctx.num_weight_tensors = len(weight_tensors)
-        # A delayed or static cast recomputed in backward must use forward's scale.
+        # A cast recomputed in backward with forward's scale (see _recast_scale_of).
         recast_scales = [
-            _stateful_scale_of(kept, for_output, role, config)
+            _recast_scale_of(kept, for_output, role, config)
             for kept, for_output, role in (
                 (input_kept, input_for_output, Role.INPUT),
                 (weight_kept, weight_for_output, Role.WEIGHT),
@@ -371,7 +393,7 @@ class _Float8Matmul(torch.autograd.Function):
             )  # fmt: skip
             grad_weight = _gemm(
                 Gemm.GRAD_WEIGHT,
-                grad_output_for_grad_weight.t(),
+                _t(grad_output_for_grad_weight),
                 input_for_grad_weight,
                 config,
                 ctx.weight_dtype,
@@ -409,7 +431,7 @@ def linear_mm(
     if not backward:
         a = input_2d if input_for_output is None else input_for_output
         b = weight if weight_for_output is None else weight_for_output
-        output = _gemm(Gemm.OUTPUT, a, b.t(), config, input_2d.dtype)
+        output = _gemm(Gemm.OUTPUT, a, _t(b), config, input_2d.dtype)
         return output.reshape(*input.shape[:-1], output.shape[-1])
     output = _Float8Matmul.apply(
         input_2d,
@@ -439,12 +461,24 @@ def _cast_grad_output(
     return casts
 
 
-def _stateful_scale_of(
+def _recast_scale_of(
     kept: torch.Tensor, for_output: Float8Tensor | None, role: Role, config: Float8LinearConfig
 ) -> torch.Tensor | None:
+    """The scale that backward's recast of `role` takes from forward's cast (None: its own):
+    a delayed or static cast's, whose state may have moved on by then; and in eager mode a
+    dynamic tensorwise cast's, which spares the recast its amax pass (the tensor is the same,
+    and so is its amax). Compiled code leaves that choice to the partitioner."""
+    if isinstance(kept, Float8Tensor) or not isinstance(for_output, Float8Tensor):
+        return None
     cast = config.cast_config(role, Gemm.OUTPUT)
-    stateful = cast.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC)
-    if stateful and isinstance(for_output, Float8Tensor) and not isinstance(kept, Float8Tensor):
+    if cast.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC):
+        return for_output._scale
+    same_cast = cast_key(config, role, BACKWARD_GEMM[role]) == cast_key(config, role, Gemm.OUTPUT)
+    if (
+        same_cast
+        and cast.scaling_granularity is ScalingGranularity.TENSORWISE
+        and not torch.compiler.is_compiling()
+    ):
         return for_output._scale
     return None
 

@@ -15,31 +15,22 @@ from fp8train.tensor import Float8Tensor, implements
 aten = torch.ops.aten
 
 
-def _rewrap(
-    like: Float8Tensor, data: torch.Tensor, scale: torch.Tensor | None = None
-) -> Float8Tensor:
-    return Float8Tensor(
-        data, like._scale if scale is None else scale, like._orig_dtype, like._granularity
-    )
-
-
 @implements([aten.detach.default, aten.alias.default])
 def _detach(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
     (tensor,) = args
-    return _rewrap(tensor, func(tensor._data))
+    return tensor.rewrapped(func(tensor._data))
 
 
 @implements([aten.clone.default])
 def _clone(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
     tensor = args[0]
-    return _rewrap(tensor, func(tensor._data, **kwargs), tensor._scale.clone())
+    return tensor.rewrapped(func(tensor._data, **kwargs), tensor._scale.clone())
 
 
 @implements([aten.t.default])
 def _t(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
     (tensor,) = args
-    # A rowwise scale is keepdim-shaped, so it transposes with its data.
-    return _rewrap(tensor, tensor._data.t(), tensor._scale.t())
+    return tensor.transposed()
 
 
 @implements([aten.transpose.int])
@@ -48,7 +39,7 @@ def _transpose(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
     scale = tensor._scale
     if tensor._granularity is not ScalingGranularity.TENSORWISE:
         scale = scale.transpose(dim0, dim1)
-    return _rewrap(tensor, tensor._data.transpose(dim0, dim1), scale)
+    return tensor.rewrapped(tensor._data.transpose(dim0, dim1), scale)
 
 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
@@ -60,7 +51,7 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
             f"{func} of a {tensor._granularity.value} Float8Tensor: only tensorwise Float8Tensors "
             "can be reshaped; dequantize with .to_hp() first"
         )
-    return _rewrap(tensor, func(tensor._data, shape))
+    return tensor.rewrapped(func(tensor._data, shape))
 
 
 @implements([aten.as_strided.default])
@@ -72,7 +63,7 @@ def _as_strided(func: Any, args: tuple, kwargs: dict) -> Float8Tensor:
             f"{func} of a {tensor._granularity.value} Float8Tensor: only tensorwise Float8Tensors "
             "can be restrided; dequantize with .to_hp() first"
         )
-    return _rewrap(tensor, func(tensor._data, *rest, **kwargs))
+    return tensor.rewrapped(func(tensor._data, *rest, **kwargs))
 
 
 @implements([aten._to_copy.default])

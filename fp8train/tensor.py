@@ -7,6 +7,9 @@ A Float8Tensor holds
                   per block, (R / rows, C / cols) for (R, C) data (blockwise)
     _orig_dtype   the high-precision dtype it was cast from, which is also its reported dtype
     _granularity  tensorwise, rowwise or blockwise
+    _inv_scale    1 / _scale, the gemm's fp8 -> hp scale, where the eager cast kernel wrote it
+                  (tensorwise); None elsewhere. Not part of the flattened tensor: compiled
+                  code, and any Float8Tensor without it, computes the reciprocal instead.
 
 Its ops are an explicit table (fp8train/ops.py): an aten op that is not listed raises, so no op
 ever silently runs on float8 bytes as if they were numbers. `__tensor_flatten__` and
@@ -44,6 +47,7 @@ class Float8Tensor(torch.Tensor):
     _scale: torch.Tensor
     _orig_dtype: torch.dtype
     _granularity: ScalingGranularity
+    _inv_scale: torch.Tensor | None = None
 
     @staticmethod
     def __new__(
@@ -83,6 +87,21 @@ class Float8Tensor(torch.Tensor):
     @property
     def fp8_dtype(self) -> torch.dtype:
         return self._data.dtype
+
+    def rewrapped(self, data: torch.Tensor, scale: torch.Tensor | None = None) -> Float8Tensor:
+        """A Float8Tensor of `data` (a view or copy of these bytes) with this tensor's scale,
+        or `scale` (the same values, laid out as `data` needs)."""
+        out = Float8Tensor(
+            data, self._scale if scale is None else scale, self._orig_dtype, self._granularity
+        )
+        if self._granularity is ScalingGranularity.TENSORWISE:
+            out._inv_scale = self._inv_scale
+        return out
+
+    def transposed(self) -> Float8Tensor:
+        """`self.t()` without the dispatch through aten (which costs eager mode host time). A
+        rowwise scale is keepdim-shaped, so it transposes with its data."""
+        return self.rewrapped(self._data.t(), self._scale.t())
 
     def broadcast_scale(self) -> torch.Tensor:
         """The scale, broadcastable against the data (blockwise scales are expanded)."""

@@ -5,12 +5,17 @@ two, so it cannot check bytes); on the CPU the custom op runs the torch path, ch
 opcheck.
 """
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
+import fp8train.cast
+from fp8train import Float8Linear, Float8LinearConfig
 from fp8train.cast import _saturated_cast
 from fp8train.config import ScalingGranularity
-from fp8train.kernels import HAS_TRITON, cast_2d, quantize_2d
+from fp8train.kernels import HAS_TRITON, amax_2d, cast_2d, quantize_2d
 from fp8train.scaling import amax, amax_to_scale
 from tests.conftest import FLOAT8_GPU_REASON
 
@@ -196,3 +201,119 @@ def test_recording_cast_makes_non_finite_values_nan_and_the_amax_non_finite(bad)
     assert buffer.item() == float("inf")
     decoded = row.float()
     assert decoded[3, 5].isnan() and decoded.isfinite().sum() == hp.numel() - 1
+
+
+def _tensorwise_amax(hp: torch.Tensor) -> torch.Tensor:
+    return amax(hp, ScalingGranularity.TENSORWISE, None)
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("shape", [*SHAPES, (16, 16), (1, 17), (64 * 1024, 16)], ids=str)
+@pytest.mark.parametrize("hp_dtype", HP, ids=str)
+def test_amax_kernel_matches_the_torch_amax_bit_for_bit(shape, hp_dtype):
+    hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
+    assert torch.equal(amax_2d(hp), _tensorwise_amax(hp))
+    # A transposed view and a view that starts off the 16-byte alignment.
+    assert torch.equal(amax_2d(hp.t()), _tensorwise_amax(hp))
+    if hp.numel() > 1:
+        flat = hp.flatten()[1:].view(1, -1)
+        assert torch.equal(amax_2d(flat), _tensorwise_amax(flat))
+
+
+@needs_triton_gpu
+def test_amax_kernel_resets_its_state_between_launches():
+    """The running maximum is shared by every launch on a stream: a small amax after a large
+    one must not see the large one."""
+    big = torch.full((300, 300), 1000.0, device="cuda")
+    small = torch.full((5, 7), 0.25, device="cuda")
+    for _ in range(3):
+        assert amax_2d(big).item() == 1000.0
+        assert amax_2d(small).item() == 0.25
+    out = torch.empty((), device="cuda")
+    assert amax_2d(small, out) is out and out.item() == 0.25
+    assert amax_2d(torch.empty(0, 8, device="cuda")).item() == 0.0
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_amax_kernel_gives_inf_for_non_finite_input(bad):
+    """An atomic max cannot carry NaN: a NaN gives inf, which amax_to_scale turns into the
+    same NaN scale as the torch path's NaN amax."""
+    hp = torch.randn(257, 129, device="cuda")
+    hp[200, 100] = bad
+    assert amax_2d(hp).item() == float("inf")
+    assert amax_to_scale(amax_2d(hp), E4M3).isnan()
+    assert amax_to_scale(_tensorwise_amax(hp), E4M3).isnan()
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("shape", [(1, 16), (16, 16), (17, 33), (4097, 130)], ids=str)
+@pytest.mark.parametrize("scale_from_amax", [True, False], ids=["from-amax", "given-scale"])
+def test_cast_kernel_writes_the_inverse_scale_as_reciprocal_does(shape, scale_from_amax):
+    hp = torch.randn(shape, device="cuda") * 3
+    hp_amax = _tensorwise_amax(hp)
+    given = hp_amax if scale_from_amax else amax_to_scale(hp_amax, E4M3) * 1.37
+    for _ in range(2):  # the second launch takes the cached launcher
+        inverse = torch.empty((), device="cuda")
+        scale, row, _ = cast_2d(
+            hp, given, E4M3, scale_from_amax=scale_from_amax, inverse_out=inverse
+        )
+        assert torch.equal(inverse.view(torch.int32), scale.reciprocal().view(torch.int32))
+        assert torch.equal(_bytes(row), _bytes(_saturated_cast(hp, scale, E4M3)))
+
+
+@needs_triton_gpu
+def test_cast_kernel_refuses_an_inverse_of_a_rowwise_scale():
+    hp = torch.randn(32, 32, device="cuda")
+    scale = torch.ones(32, 1, device="cuda")
+    with pytest.raises(ValueError, match="tensorwise"):
+        cast_2d(hp, scale, E4M3, inverse_out=torch.empty((), device="cuda"))
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("rows", [1, 16, 17, 1000])
+def test_cached_launch_respecializes_on_shape_and_alignment(rows):
+    """The launcher cache keys on what Triton specializes on: a later call with a misaligned
+    view or another row count must not reuse a kernel compiled for aligned, 16-divisible
+    arguments."""
+    base = torch.randn(rows * 48 + 1, device="cuda")
+    aligned = base[: rows * 48].view(rows, 48)
+    misaligned = base[1:].view(rows, 48)
+    for hp in (aligned, misaligned, aligned, misaligned):
+        hp_amax = _tensorwise_amax(hp)
+        scale, row, col = cast_2d(
+            hp, hp_amax, E4M3, row_major=True, column_major=True, scale_from_amax=True
+        )
+        reference = _bytes(_saturated_cast(hp, amax_to_scale(hp_amax, E4M3), E4M3))
+        assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference)
+
+
+def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    out = layer(x)
+    out.backward(grad)
+    return [out, x.grad, layer.weight.grad]
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "policy",
+    [{}, {"recompute_weight_cast": False}, {"recompute_input_cast": True}],
+    ids=["default", "keep-fp8-weight", "keep-hp-input"],
+)
+def test_eager_layer_with_the_kernels_matches_the_torch_path(hp_dtype, policy, monkeypatch):
+    """Eager mode's direct kernel calls (amax kernel, cast writing its scale and inverse, the
+    recast that reuses forward's scale) give the same output and gradients, bit for bit, as
+    the path of compiled code run eagerly (torch's amax, the reciprocal per gemm, a recast
+    with its own amax)."""
+    base = nn.Linear(256, 320, device="cuda", dtype=hp_dtype)
+    layer = Float8Linear.from_float(copy.deepcopy(base), Float8LinearConfig(**policy))
+    x = torch.randn(4, 48, 256, device="cuda", dtype=hp_dtype)
+    grad = torch.randn(4, 48, 320, device="cuda", dtype=hp_dtype)
+    with_kernels = _fwd_bwd(copy.deepcopy(layer), x.view(-1, 256), grad.view(-1, 320))
+    monkeypatch.setattr(fp8train.cast, "eager_kernel", lambda hp: False)
+    torch_path = _fwd_bwd(copy.deepcopy(layer), x.view(-1, 256), grad.view(-1, 320))
+    names = ("output", "grad_input", "grad_weight")
+    for name, a, b in zip(names, with_kernels, torch_path, strict=True):
+        assert torch.equal(a, b), name

@@ -61,11 +61,17 @@ def test_tensorwise_save_policy(recompute_weight_cast, recompute_input_cast, hp_
         expected.append(("weight parameter", hp_dtype, (N, K)))
     else:
         expected += [("tensor", E4M3, (N, K)), ("tensor", torch.float32, ())]
+    # In eager mode a recomputed dynamic tensorwise cast reuses forward's scale (the tensor and
+    # so its amax are unchanged), which spares backward an amax pass: 4 bytes per recast.
+    recasts = int(recompute_input_cast) + int(recompute_weight_cast)
+    expected += [("tensor", torch.float32, ())] * recasts
     assert describe(saved, layer.weight) == expected
 
     hp_size = hp_dtype.itemsize
-    expected_bytes = (M * K * hp_size if recompute_input_cast else M * K + 4) + (
-        0 if recompute_weight_cast else N * K + 4
+    expected_bytes = (
+        (M * K * hp_size if recompute_input_cast else M * K + 4)
+        + (0 if recompute_weight_cast else N * K + 4)
+        + 4 * recasts
     )
     assert nbytes(saved, layer.weight) == expected_bytes
     # Nothing of the weight's size in float8 is kept when the cast is recomputed.
@@ -94,6 +100,7 @@ def test_high_precision_grad_weight_gemm_keeps_the_hp_input():
     assert describe(saved, layer.weight) == [
         ("tensor", torch.float32, (M, K)),
         ("weight parameter", torch.float32, (N, K)),
+        ("tensor", torch.float32, ()),  # forward's weight scale, for backward's recast
     ]
 
 
@@ -104,7 +111,8 @@ def test_float8_input_saves_half_of_bf16_training():
     bf16_bytes = nbytes(saved_by_forward(bf16, x), bf16.weight)
     fp8_bytes = nbytes(saved_by_forward(fp8, x), fp8.weight)
     assert bf16_bytes == M * K * 2
-    assert fp8_bytes == M * K + 4
+    # The float8 input and its scale, and the weight's scale for backward's recast.
+    assert fp8_bytes == M * K + 4 + 4
 
 
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])

@@ -5,6 +5,7 @@ its own temporaries. Under torch.compile the torch path is traced instead and in
 with the neighbouring ops, which an opaque kernel would prevent.
 """
 
+from fp8train.kernels.amax import amax_2d
 from fp8train.kernels.cast import HAS_TRITON, cast_2d, empty_2d, quantize_2d
 
-__all__ = ["HAS_TRITON", "cast_2d", "empty_2d", "quantize_2d"]
+__all__ = ["HAS_TRITON", "amax_2d", "cast_2d", "empty_2d", "quantize_2d"]

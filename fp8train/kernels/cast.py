@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8train.kernels.launch import launch
 from fp8train.scaling import EPS, amax_to_scale
 
 try:
@@ -42,6 +43,7 @@ if HAS_TRITON:
         row_ptr,
         col_ptr,
         scale_out_ptr,
+        inverse_out_ptr,
         amax_out_ptr,
         M,
         N,
@@ -52,6 +54,7 @@ if HAS_TRITON:
         fp8_max,
         eps,
         SCALE_FROM_AMAX: tl.constexpr,
+        WRITE_INVERSE: tl.constexpr,
         POW2: tl.constexpr,
         WRITE_ROW: tl.constexpr,
         WRITE_COL: tl.constexpr,
@@ -76,8 +79,15 @@ if HAS_TRITON:
             scale = tl.where((amax == amax) & (amax != float("inf")), scale, float("nan"))
             if (pid_m == 0) & (pid_n == 0):
                 tl.store(scale_out_ptr, scale)
+                if WRITE_INVERSE:
+                    tl.store(inverse_out_ptr, tl.math.div_rn(1.0, scale))
         else:
             scale = tl.load(scale_ptr + rows64 * stride_sm + cols64 * stride_sn, mask=mask)
+            # A tensorwise scale: the same value in every lane. (Triton needs the constexpr
+            # test apart from the tensor one.)
+            if WRITE_INVERSE:  # noqa: SIM102
+                if (pid_m == 0) & (pid_n == 0):
+                    tl.store(inverse_out_ptr, tl.math.div_rn(1.0, tl.load(scale_ptr)))
         scaled = hp * scale
         # NaN stays NaN, as torch.clamp keeps it; e4m3fn has no inf, so saturate first.
         scaled = tl.minimum(
@@ -114,13 +124,16 @@ def cast_2d(
     scale_from_amax: bool = False,
     round_to_power_of_2: bool = False,
     record_amax: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    inverse_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The float8 bytes of `saturate(hp * scale)` for a 2-D CUDA tensor `hp`, in the layouts
     asked for: (scale, row-major data or None, column-major data or None).
 
-    `scale_from_amax`: `scale` is a 0-d amax and the scale is computed from it (returned);
-    otherwise the given scale is returned. `record_amax`: a 0-d fp32 buffer that is raised
-    to max |hp| in place.
+    `scale_from_amax`: `scale` is a 0-d amax and the scale is computed from it (returned, in
+    `scale_out` if given); otherwise the given scale is returned. `record_amax`: a 0-d fp32
+    buffer that is raised to max |hp| in place. `inverse_out`: a 0-d fp32 tensor that receives
+    1 / scale (the gemm's fp8 -> hp scale, as `reciprocal` computes it) for a tensorwise cast.
     """
     m, n = hp.shape
     if not (row_major or column_major):
@@ -133,35 +146,38 @@ def cast_2d(
         scale, row, _ = cast_2d(
             hp, scale, float8_dtype, scale_from_amax=scale_from_amax,
             round_to_power_of_2=round_to_power_of_2, record_amax=record_amax,
+            scale_out=scale_out, inverse_out=inverse_out,
         )  # fmt: skip
         _, _, col = cast_2d(hp, scale, float8_dtype, row_major=False, column_major=True)
         return scale, row, col
+    if inverse_out is not None and not scale_from_amax and scale.numel() != 1:
+        raise ValueError("inverse_out needs a tensorwise (one-element) scale")
     row = empty_2d(m, n, float8_dtype, hp.device, column_major=False) if row_major else None
     col = empty_2d(m, n, float8_dtype, hp.device, column_major=True) if column_major else None
-    scale_out = torch.empty((), device=hp.device) if scale_from_amax else scale
+    if scale_from_amax and scale_out is None:
+        scale_out = torch.empty((), device=hp.device)
     if hp.numel() == 0:
         if scale_from_amax:
-            scale_out = amax_to_scale(scale, float8_dtype, round_to_power_of_2=round_to_power_of_2)
-        return scale_out, row, col
+            pow2 = round_to_power_of_2
+            scale_out.copy_(amax_to_scale(scale, float8_dtype, round_to_power_of_2=pow2))
+        if inverse_out is not None:
+            inverse_out.copy_((scale_out if scale_from_amax else scale).reciprocal())
+        return (scale_out if scale_from_amax else scale), row, col
     scale_strides = (0, 0) if scale_from_amax else scale.expand(m, n).stride()
     any_out = row if row is not None else col
-    grid = (triton.cdiv(m, _BLOCK_M), triton.cdiv(n, _BLOCK_N))
-    _cast_kernel[grid](
+    launch(
+        _cast_kernel, (triton.cdiv(m, _BLOCK_M), triton.cdiv(n, _BLOCK_N)),
         hp,
         scale,
         any_out if row is None else row,
         any_out if col is None else col,
-        scale_out,
-        scale_out if record_amax is None else record_amax,
-        m,
-        n,
-        hp.stride(0),
-        hp.stride(1),
-        scale_strides[0],
-        scale_strides[1],
-        torch.finfo(float8_dtype).max,
-        EPS,
+        scale if scale_out is None else scale_out,
+        scale if inverse_out is None else inverse_out,
+        scale if record_amax is None else record_amax,
+        m, n, hp.stride(0), hp.stride(1), scale_strides[0], scale_strides[1],
+        torch.finfo(float8_dtype).max, EPS,
         SCALE_FROM_AMAX=scale_from_amax,
+        WRITE_INVERSE=inverse_out is not None,
         POW2=round_to_power_of_2,
         WRITE_ROW=row is not None,
         WRITE_COL=col is not None,
@@ -169,8 +185,8 @@ def cast_2d(
         BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
         num_warps=4,
-    )
-    return scale_out, row, col
+    )  # fmt: skip
+    return (scale_out if scale_from_amax else scale), row, col
 
 
 def quantize_2d(
