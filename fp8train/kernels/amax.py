@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from fp8train.kernels.launch import current_stream, launch
+from fp8train.kernels.launch import cdiv, current_stream, launch
 
 try:
     import triton
@@ -96,8 +96,8 @@ def amax_2d(hp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if hp.numel() == 0:
         return out.zero_()
     device = torch.cuda.current_device()
-    tiles_n = triton.cdiv(n, _BLOCK_N)
-    tiles = triton.cdiv(m, _BLOCK_M) * tiles_n
+    tiles_n = cdiv(n, _BLOCK_N)
+    tiles = cdiv(m, _BLOCK_M) * tiles_n
     running, count = _state(device)
     launch(
         _amax_kernel, (min(tiles, _max_programs(device)),),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8train.kernels.launch import launch
+from fp8train.kernels.launch import cdiv, launch
 from fp8train.scaling import EPS, amax_to_scale
 
 try:
@@ -166,7 +166,7 @@ def cast_2d(
     scale_strides = (0, 0) if scale_from_amax else scale.expand(m, n).stride()
     any_out = row if row is not None else col
     launch(
-        _cast_kernel, (triton.cdiv(m, _BLOCK_M), triton.cdiv(n, _BLOCK_N)),
+        _cast_kernel, (cdiv(m, _BLOCK_M), cdiv(n, _BLOCK_N)),
         hp,
         scale,
         any_out if row is None else row,

@@ -40,6 +40,12 @@ LEAN = triton is not None and tuple(int(p) for p in triton.__version__.split("."
 _COMPILED: dict[tuple, Any] = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints. (`triton.cdiv` is a constexpr function in Triton 3.6: on the host
+    each call goes through its wrapper, several microseconds.)"""
+    return -(-a // b)
+
+
 def _spec(arg: Any) -> tuple:
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
