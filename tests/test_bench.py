@@ -70,3 +70,13 @@ def test_bench_matmul_times_blockwise_only_where_the_block_scaled_gemm_runs():
     x, w, g = torch.randn(256, 256), torch.randn(128, 256), torch.randn(256, 128)
     assert blockwise_gemms(x, w, g) is None
     assert blockwise_gemms(torch.randn(100, 256), w, torch.randn(100, 128)) is None
+
+
+def test_profile_host_prints_both_step_times_and_a_profile(capsys):
+    from benchmarks.profile_host import main as profile_host
+
+    profile_host(["--device", "cpu", "--dtype", "float32", "--shape", "16", "16", "16"]
+                 + ["--steps", "2", "--top", "3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "float32:" in out and "float8:" in out and "us per fwd+bwd" in out
+    assert "function calls" in out

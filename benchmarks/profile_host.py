@@ -1,0 +1,73 @@
+"""Host time of one float8 layer's fwd+bwd, and where it goes (cProfile).
+
+    python -m benchmarks.profile_host                      # 256x256x256 bf16 on the GPU
+    python -m benchmarks.profile_host --shape 2048 1024 1024 --top 30
+    python -m benchmarks.profile_host --device cpu --dtype float32   # the CPU path
+
+On a tiny shape the GPU work is negligible, so the time per step is the host's: Python,
+autograd, allocations and kernel launches. A diagnostic, not a benchmark table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+from torch import nn
+
+from fp8train import Float8Linear
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def host_us_per_step(layer: nn.Module, x: torch.Tensor, steps: int) -> float:
+    """Wall-clock microseconds per fwd+bwd, after a warm-up."""
+
+    def step() -> None:
+        layer(x).sum().backward()
+
+    for _ in range(30):
+        step()
+    _sync(x.device.type)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(x.device.type)
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", nargs=3, type=int, default=[256, 256, 256], metavar="MKN")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--top", type=int, default=40, help="rows of the profile to print")
+    args = parser.parse_args(argv)
+    m, k, n = args.shape
+    dtype = getattr(torch, args.dtype)
+    base = nn.Linear(k, n, bias=False, device=args.device, dtype=dtype)
+    fp8 = Float8Linear.from_float(copy.deepcopy(base))
+    x = torch.randn(m, k, device=args.device, dtype=dtype, requires_grad=True)
+    for name, layer in ((args.dtype, base), ("float8", fp8)):
+        print(f"{name}: {host_us_per_step(layer, x, args.steps):.1f} us per fwd+bwd")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        fp8(x).sum().backward()
+    _sync(args.device)
+    profiler.disable()
+    print(f"\nfloat8, {args.steps} steps under cProfile:")
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
