@@ -1,6 +1,6 @@
 """Launch a Triton kernel with less host work than `kernel[grid](...)`.
 
-A float8 linear layer launches its kernels eight times a step, and thin layers (attention's
+A float8 linear layer launches its kernels seven times a step, and thin layers (attention's
 projections at 16k tokens) spend more time on the host than on the GPU: eager mode then runs at
 the speed of Python. Triton's `JITFunction.run` binds the arguments, computes their
 specialization, looks the compiled kernel up and checks the globals it captured on every call;
@@ -8,7 +8,8 @@ on the H200's host that is tens of microseconds a launch.
 
 `launch` does that work once per specialization of its own: the first call of a key goes through
 Triton (which compiles and launches), later calls of the same key hand the arguments straight to
-the compiled kernel's launcher. The key holds what Triton 3.6 specializes on: each tensor's dtype
+the compiled kernel's native launcher (past the driver's Python wrapper where the kernel needs
+no scratch memory). The key holds what Triton 3.6 specializes on: each tensor's dtype
 and whether its address is 16-byte aligned; each int's equality to 1, divisibility by 16 and
 whether it fits 32 bits; the type of each other value; the constexprs, the number of warps and
 the device. Other Triton versions, and any launch hook (a profiler's), take Triton's own path.
@@ -37,7 +38,7 @@ except ImportError:  # a build of torch without CUDA
 # The compiled kernel's launcher signature checked here is Triton 3.6's.
 LEAN = triton is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) == (3, 6)
 
-_COMPILED: dict[tuple, Any] = {}
+_LAUNCHERS: dict[tuple, Any] = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,20 +47,53 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _spec(arg: Any) -> tuple:
+def _spec(arg: Any) -> Any:
+    kind = type(arg)
+    if kind is int:
+        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
+    if kind is float:
+        return float
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool):
-        return (bool, arg)
-    if isinstance(arg, int):
-        return (int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
-    return (type(arg),)
+    return (kind, arg) if kind is bool else kind
 
 
 def _hooked() -> bool:
     """True while a launch hook is set (Triton 3.6 keeps them in chains, empty by default)."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(getattr(hook, "calls", hook) for hook in hooks)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
+
+
+def _current_device() -> int:
+    # torch.cuda.current_device() without its lazy-init check: the first launch of every key
+    # goes through Triton, which initializes CUDA.
+    return torch._C._cuda_getDevice()
+
+
+class _Launcher:
+    """The compiled kernel's native launch and what it takes besides the arguments. Where the
+    kernel needs no scratch memory (the kernels here), the driver's Python wrapper, which only
+    allocates it, is skipped."""
+
+    def __init__(self, compiled: Any) -> None:
+        wrapper = compiled.run
+        self.lean = wrapper.global_scratch_size == 0 and wrapper.profile_scratch_size == 0
+        self.wrapper, self.native = wrapper, wrapper.launch
+        self.function, self.metadata = compiled.function, compiled.packed_metadata
+        self.cooperative, self.pdl = wrapper.launch_cooperative_grid, wrapper.launch_pdl
+
+    def __call__(self, grid: tuple[int, ...], stream: int, args: tuple) -> None:
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        if self.lean:
+            self.native(
+                grid[0], g1, g2, stream, self.function, self.cooperative, self.pdl,
+                None, None, self.metadata, None, None, None, *args,
+            )  # fmt: skip
+        else:
+            self.wrapper(
+                grid[0], g1, g2, stream, self.function, self.metadata, None, None, None, *args
+            )
 
 
 def launch(
@@ -74,20 +108,15 @@ def launch(
         kernel[grid](*args, **constexprs, num_warps=num_warps)
         return
     # Triton launches on the current device, whatever the tensors' device.
-    device = torch.cuda.current_device()
-    key = (kernel, device, num_warps, *constexprs.values(), *map(_spec, args))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
+    device = _current_device()
+    values = tuple(constexprs.values())
+    key = (kernel, device, num_warps, values, *map(_spec, args))
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
         names = kernel.arg_names[len(args) :]
         if list(constexprs) != names:
             raise TypeError(f"launch of {kernel}: constexprs {list(constexprs)}, expected {names}")
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
-        _COMPILED[key] = compiled.result() if hasattr(compiled, "result") else compiled
+        _LAUNCHERS[key] = _Launcher(compiled.result() if hasattr(compiled, "result") else compiled)
         return
-    stream = current_stream(device)
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(
-        grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
-        None, None, None, *args, *constexprs.values(),
-    )  # fmt: skip
+    launcher(grid, current_stream(device), (*args, *values))
