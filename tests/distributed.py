@@ -1,6 +1,8 @@
 """Running a test's worker on 2 CPU ranks over gloo (the distributed tests share this)."""
 
+import faulthandler
 import os
+import signal
 import socket
 
 import torch.distributed as dist
@@ -15,6 +17,8 @@ def spawn(worker, *args) -> None:  # noqa: ANN001
 
 
 def _run(rank: int, port: int, worker, args: tuple) -> None:  # noqa: ANN001
+    # A hung rank prints every thread's stack on SIGUSR1 (`pkill -USR1 -f spawn_main`).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
