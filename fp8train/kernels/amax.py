@@ -20,15 +20,7 @@ import functools
 
 import torch
 
-from fp8train.kernels.launch import cdiv, current_stream, launch
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # the CPU wheels of torch come without Triton
-    HAS_TRITON = False
+from fp8train.kernels.launch import HAS_TRITON, cdiv, current_stream, launch, tl, triton
 
 if HAS_TRITON:
 

@@ -23,16 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8train.kernels.launch import cdiv, launch
+from fp8train.kernels.launch import HAS_TRITON, cdiv, launch, tl, triton
 from fp8train.scaling import EPS, amax_to_scale
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # the CPU wheels of torch come without Triton
-    HAS_TRITON = False
 
 if HAS_TRITON:
 

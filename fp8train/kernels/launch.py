@@ -23,9 +23,13 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
     from triton import knobs
+
+    HAS_TRITON = True
 except ImportError:  # the CPU wheels of torch come without Triton
-    triton = None
+    triton = tl = None
+    HAS_TRITON = False
 
 try:  # what Triton itself reads the stream with
     from torch._C import _cuda_getCurrentRawStream as current_stream
