@@ -18,9 +18,12 @@ chooses what to keep by size, so that left alone it keeps the float8 input and r
 weight whatever the config says. So each forward cast that backward shares (tensorwise: the
 same float8 tensor serves both gemms of a role) runs in its own selective activation-checkpoint
 region, whose policy tags every op of the cast MUST_SAVE (the float8 result is kept) or
-MUST_RECOMPUTE (backward recasts from the hp tensor): the tags the partitioner honours. Casts
+MUST_RECOMPUTE (backward recasts from the hp tensor): the tags the partitioner honours. A cast
 that backward does not share (rowwise, and blockwise activations: each gemm casts along its own
-inner dim) stay untagged, for a tag there either misleads the partitioner or is ignored by it.
+inner dim) is made in forward for backward only: untagged where backward keeps float8, tagged
+MUST_RECOMPUTE where it keeps the hp tensor. The one choice the partitioner overrides is a
+float8 weight kept for backward when the two gemms' casts differ (rowwise keep-fp8-weight): it
+treats parameters as free to keep, so it keeps the hp weight and recasts.
 
 With recompute_input_cast=None the input's cast is left untagged: the partitioner then keeps
 the float8 input unless the hp input is kept for backward anyway (the input of the attention
@@ -137,11 +140,26 @@ def forward_operands(
         return for_output, for_backward
     for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, tag, scale, record_amax)
     observe_cast(observer, role, Gemm.OUTPUT, hp, for_output)
-    if not keep or shared:
+    if shared or not backward:
         return for_output, None
-    # A cast that only backward uses: a checkpoint region around it would let the partitioner
-    # schedule it into backward, whatever its tag; untagged, it is kept (tests/test_compile.py).
-    for_backward = _tagged_cast(hp, role, backward_gemm, config, None)
+    # A cast that only backward uses (rowwise, blockwise activations: along the other dim).
+    # Compiled, the partitioner places such a cast itself, in forward if it keeps fewer bytes
+    # than its hp tensor. Untagged, that keeps a float8 activation (tests/test_compile.py);
+    # but a parameter is free to keep, so a float8 weight is never kept, tag or not: its cast
+    # moves to backward (torch._functorch.config.treat_parameters_as_free_to_save).
+    if keep:
+        for_backward = _tagged_cast(hp, role, backward_gemm, config, None)
+    elif (
+        torch.compiler.is_compiling()
+        and _tag(config, role, keep) is not None
+        and config.cast_config(role, backward_gemm).scaling_type is ScalingType.DYNAMIC
+    ):
+        # Recompute asked for: made here in a region tagged MUST_RECOMPUTE, which moves it to
+        # backward and keeps the hp tensor it is made from; left to backward's own recast, the
+        # partitioner would keep a float8 copy made in forward instead.
+        for_backward = _tagged_cast(hp, role, backward_gemm, config, False)
+    else:
+        return for_output, None
     observe_cast(observer, role, backward_gemm, hp, for_backward)
     return for_output, for_backward
 

@@ -152,9 +152,19 @@ def test_compiled_backward_receives_what_the_policy_keeps(
     assert len(big) == 2
 
 
-@pytest.mark.parametrize("recompute_weight_cast", [True, False])
-def test_compiled_and_eager_give_the_same_gradients(recompute_weight_cast):
-    config = Float8LinearConfig(recompute_weight_cast=recompute_weight_cast)
+@pytest.mark.parametrize(
+    "config",
+    [
+        Float8LinearConfig(),
+        Float8LinearConfig(recompute_weight_cast=False),
+        all_roles_config("rowwise"),
+        all_roles_config("rowwise", recompute_input_cast=True),
+        all_roles_config("rowwise", recompute_weight_cast=False),
+    ],
+    ids=["tensorwise", "tensorwise-keep-fp8-weight", "rowwise", "rowwise-keep-hp-input",
+         "rowwise-keep-fp8-weight"],
+)  # fmt: skip
+def test_compiled_and_eager_give_the_same_gradients(config):
     layer = Float8Linear(K, N, config=config)
     x = torch.randn(M, K)
     grads = []
@@ -205,25 +215,42 @@ def test_compiled_rowwise_default_keeps_the_float8_input_and_recasts_the_weight(
     assert (torch.float32, (N, K)) in graph and not float8_of(graph, (N, K))
 
 
-# Rowwise, the casts backward needs are along the other dim than forward's: nothing in forward
-# computes them, so there is no forward node to tag, and the partitioner places them itself.
+def test_compiled_rowwise_keep_hp_input_keeps_the_hp_input_and_no_float8_copy():
+    """Rowwise, backward's input cast is along the other dim than forward's: forward makes it
+    for backward, in a region tagged for recomputation, so that the partitioner keeps the hp
+    input it is made from (left to backward's own recast, it kept a float8 copy)."""
+    layer = Float8Linear(
+        K, N, bias=False, config=all_roles_config("rowwise", recompute_input_cast=True)
+    )
+    x = torch.randn(M, K, requires_grad=True)
+    graph = backward_inputs(layer, x)
+    assert (torch.float32, (M, K)) in graph and not float8_of(graph, (M, K))
+    assert not float8_of(graph, (N, K))
+
+
 @pytest.mark.xfail(
-    reason="rowwise under compile: the partitioner keeps the float8 input and recasts the "
-    "weight whatever recompute_input_cast and recompute_weight_cast say",
+    reason="rowwise keep-fp8-weight under compile: the partitioner treats parameters as free to "
+    "keep (torch._functorch.config.treat_parameters_as_free_to_save), so it keeps the hp weight "
+    "and moves the weight's backward cast into backward",
     strict=True,
 )
-@pytest.mark.parametrize(
-    "policy",
-    [{"recompute_input_cast": True}, {"recompute_weight_cast": False}],
-    ids=["keep-hp-input", "keep-fp8-weight"],
-)
-def test_compiled_rowwise_honours_the_non_default_policies(policy):
-    layer = Float8Linear(K, N, bias=False, config=all_roles_config("rowwise", **policy))
+def test_compiled_rowwise_keep_fp8_weight_keeps_the_float8_weight():
+    layer = Float8Linear(
+        K, N, bias=False, config=all_roles_config("rowwise", recompute_weight_cast=False)
+    )
     graph = backward_inputs(layer, torch.randn(M, K, requires_grad=True))
-    if policy.get("recompute_input_cast"):
-        assert (torch.float32, (M, K)) in graph
-    else:
-        assert float8_of(graph, (N, K))
+    assert float8_of(graph, (N, K))
+
+
+def test_compiled_rowwise_keep_fp8_weight_with_parameters_counted_as_memory():
+    """The workaround the README gives: with parameters counted as memory to keep, the
+    partitioner keeps the float8 weight the policy asks for (and not the hp one)."""
+    layer = Float8Linear(
+        K, N, bias=False, config=all_roles_config("rowwise", recompute_weight_cast=False)
+    )
+    with torch._functorch.config.patch(treat_parameters_as_free_to_save=False):
+        graph = backward_inputs(layer, torch.randn(M, K, requires_grad=True))
+    assert float8_of(graph, (N, K)) and (torch.float32, (N, K)) not in graph
 
 
 # ----------------------------------------------------------- activation checkpointing
