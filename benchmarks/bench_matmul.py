@@ -30,7 +30,7 @@ from benchmarks.utils import (
 from fp8train import Float8LinearConfig, to_float8
 from fp8train.cast import cast_for_gemm
 from fp8train.config import BLOCK, E4M3, E5M2, Gemm, Role
-from fp8train.matmul import block_scaled_gemm_runs, scaled_mm
+from fp8train.gemm import block_scaled_gemm_runs, scaled_mm
 
 
 def three_gemms(m: int, k: int, n: int, device: str, hp_dtype: torch.dtype) -> dict[str, float]:

@@ -7,11 +7,10 @@ from torch import nn
 
 from fp8train.config import BLOCK, HP_DTYPES, Float8LinearConfig, Gemm, ScalingGranularity
 from fp8train.delayed import buffer_names, delayed_roles, register_delayed_buffers, role_state
+from fp8train.gemm import ALIGNMENT, misaligned_message
 from fp8train.matmul import (
-    ALIGNMENT,
     blockwise_tokens_misaligned,
     linear_mm,
-    misaligned_message,
     tokens_misaligned,
     uses_blockwise,
 )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fp8train.config import ScalingGranularity
-from fp8train.matmul import scaled_mm
+from fp8train.gemm import scaled_mm
 from fp8train.tensor import Float8Tensor, implements
 
 aten = torch.ops.aten

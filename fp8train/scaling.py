@@ -1,7 +1,7 @@
 """amax -> scale: how much a high-precision tensor is stretched before the float8 cast.
 
 Convention everywhere in fp8train: `fp8 = saturate(hp * scale)` and `hp ~= fp8 / scale`.
-torch._scaled_mm takes the inverse (fp8 -> hp) scales; `matmul.scaled_mm` inverts them.
+torch._scaled_mm takes the inverse (fp8 -> hp) scales; `gemm.scaled_mm` inverts them.
 """
 
 from __future__ import annotations

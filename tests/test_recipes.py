@@ -115,7 +115,7 @@ def test_blockwise_compiled_backward_keeps_the_float8_input():
 
 def _block_scaled_gemm_here() -> str | None:
     """Why torch's block-scaled gemm cannot run here, or None where it can."""
-    from fp8train.matmul import _has_block_scaled_gemm
+    from fp8train.gemm import _has_block_scaled_gemm
 
     if not torch.cuda.is_available():
         return "needs CUDA"

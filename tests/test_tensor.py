@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fp8train import Float8Tensor, to_float8
-from fp8train.matmul import scaled_mm
+from fp8train.gemm import scaled_mm
 
 E4M3 = torch.float8_e4m3fn
 
