@@ -35,6 +35,7 @@ from tqdm import tqdm
 from benchmarks.utils import environment, markdown_table
 from fp8train import (
     CastConfig,
+    DelayedScalingConfig,
     Float8LinearConfig,
     cast_weights_once,
     convert_to_float8_training,
@@ -64,6 +65,7 @@ CONFIGS = (
     "bf16",  # the baseline: no float8 (in --dtype, bf16 on the GPU)
     "tensorwise",
     "tensorwise-delayed",
+    "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
     "rowwise",
     "rowwise_with_gw_hp",
     "blockwise",
@@ -91,10 +93,15 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return torchao_float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=keep_lm_head
         )
-    if name == "tensorwise-delayed":
+    if name.startswith("tensorwise-delayed"):
         delayed = CastConfig(scaling_type="delayed")
         config = Float8LinearConfig(
-            cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+            cast_config_input=delayed,
+            cast_config_weight=delayed,
+            cast_config_grad_output=delayed,
+            delayed_scaling_config=DelayedScalingConfig(
+                compiled_one_pass=name.endswith("one-pass")
+            ),
         )
     else:
         config = Float8LinearConfig.from_recipe_name(name)
@@ -161,7 +168,7 @@ def train(name: str, initial: Transformer, data: dict, args: argparse.Namespace)
                 loss.backward()
                 total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if name == "tensorwise-delayed":
+        if name.startswith("tensorwise-delayed"):
             sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -23,10 +23,9 @@ def run(tmp_path, *argv: str) -> list[dict]:  # noqa: ANN001
 def test_training_runs_compare_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "loss.png"
-    rows = run(
-        tmp_path, "--configs", "bf16", "tensorwise", "tensorwise-delayed", "--plot", str(plot)
-    )
-    assert [r["config"] for r in rows] == ["bf16", "tensorwise", "tensorwise-delayed"]
+    configs = ["bf16", "tensorwise", "tensorwise-delayed", "tensorwise-delayed-one-pass"]
+    rows = run(tmp_path, "--configs", *configs, "--plot", str(plot))
+    assert [r["config"] for r in rows] == configs
     for row in rows:
         assert len(row["losses"]) == 8 and all(0 < loss < 10 for loss in row["losses"])
         # float8 and fp32 start from the same weights and batches: the same first loss
