@@ -66,6 +66,7 @@ CONFIGS = (
     "tensorwise",
     "tensorwise-delayed",
     "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
+    "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
     "rowwise",
     "rowwise_with_gw_hp",
     "blockwise",
@@ -103,6 +104,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
                 compiled_one_pass=name.endswith("one-pass")
             ),
         )
+    elif name == "tensorwise-cast-kernels":
+        config = Float8LinearConfig(compiled_cast_kernels=True)
     else:
         config = Float8LinearConfig.from_recipe_name(name)
     return convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)

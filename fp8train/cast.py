@@ -100,11 +100,21 @@ def cast_layouts(
     round_scales_to_power_of_2: bool = False,
     scale: torch.Tensor | None = None,
     record_amax: torch.Tensor | None = None,
+    compiled_kernels: bool = False,
 ) -> list[Float8Tensor]:
     """One cast of `hp` (one scale), as one Float8Tensor per entry of `layouts` (True:
     column-major). `scale`: given (delayed, static) instead of found from the amax;
     `record_amax`: a 0-d fp32 buffer raised to max |hp| (delayed scaling's next amax), in
-    the cast's own pass where the kernel runs."""
+    the cast's own pass where the kernel runs. `compiled_kernels`: a tensorwise cast traced
+    by torch.compile becomes fp8train's custom ops (Float8LinearConfig.compiled_cast_kernels)."""
+    if (
+        compiled_kernels
+        and granularity is ScalingGranularity.TENSORWISE
+        and hp.dim() == 2
+        and torch.compiler.is_compiling()
+        and not is_traceable_wrapper_subclass(hp)
+    ):
+        return _cast_ops(hp, float8_dtype, layouts, round_scales_to_power_of_2, scale, record_amax)
     if granularity is not ScalingGranularity.BLOCKWISE and eager_kernel(hp):
         # The kernel itself, not the fp8train custom ops that wrap it for tracing: their
         # Python dispatch costs ~30 us a call on the host, and a layer casts 4 times a step.
@@ -160,6 +170,29 @@ def cast_layouts(
         data = _column_major(first) if column_major and first.dim() == 2 else first
         casts.append(Float8Tensor(data, scale, hp.dtype, granularity))
     return casts
+
+
+def _cast_ops(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    layouts: tuple[bool, ...],
+    round_to_power_of_2: bool,
+    scale: torch.Tensor | None,
+    record_amax: torch.Tensor | None,
+) -> list[Float8Tensor]:
+    """A tensorwise cast as custom ops, for torch.compile: one node for the amax and one for
+    the cast writing every layout in `layouts`, which inductor calls as they are."""
+    row, col = False in layouts, True in layouts
+    ops = torch.ops.fp8train
+    if scale is None:
+        hp_amax = ops.amax(hp)
+        scale, *data = ops.cast_from_amax(hp, hp_amax, float8_dtype, round_to_power_of_2, row, col)
+    else:
+        data = ops.saturated_cast(hp, scale, float8_dtype, row, col, record_amax)
+    return [
+        Float8Tensor(data[int(cm)], scale, hp.dtype, ScalingGranularity.TENSORWISE)
+        for cm in layouts
+    ]
 
 
 def _saturated_cast(
@@ -261,6 +294,20 @@ def _(hp, scale, float8_dtype, row_major, column_major, record_amax):  # noqa: A
     return _fake_layouts(hp, float8_dtype, row_major, column_major)
 
 
+@torch.library.custom_op("fp8train::amax", mutates_args=())
+def _amax_op(hp: torch.Tensor) -> torch.Tensor:
+    """max |hp| as a 0-d fp32 tensor: the one-launch Triton kernel on CUDA (2-D), else the
+    torch path."""
+    if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
+        return amax_2d(hp)
+    return amax(hp, ScalingGranularity.TENSORWISE, None)
+
+
+@_amax_op.register_fake
+def _(hp):  # noqa: ANN001, ANN202
+    return torch.empty((), device=hp.device)
+
+
 @torch.library.custom_op("fp8train::cast_from_amax", mutates_args=())
 def _cast_from_amax_op(
     hp: torch.Tensor,
@@ -358,6 +405,7 @@ def cast_for_gemms(
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         scale=scale,
         record_amax=record_amax,
+        compiled_kernels=config.compiled_cast_kernels,
     )
 
 

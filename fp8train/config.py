@@ -282,6 +282,13 @@ class Float8LinearConfig:
     delayed_scaling_config: DelayedScalingConfig = DelayedScalingConfig()
     """History length and scale function of the roles with scaling_type 'delayed'."""
 
+    compiled_cast_kernels: bool = False
+    """Under torch.compile, run each tensorwise cast as fp8train's own kernels (custom ops:
+    a one-launch amax, then one pass that computes the scale and writes every layout the gemms
+    need) instead of leaving the casts to inductor. Off: inductor generates the casts and may
+    fuse them with the ops around them (a norm, an activation). Eager mode always uses the
+    kernels on CUDA. On the CPU the same ops run the torch path."""
+
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
     element on the wire instead of 2 or 4. Tensorwise e4m3 weight casts (dynamic, delayed or

@@ -53,12 +53,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fp8train.cast import (
     _COLUMN_MAJOR,
     _column_major,
-    cast_for_gemm,
     cast_for_gemms,
     cast_key,
     with_layout,
 )
-from fp8train.config import Float8LinearConfig, Gemm, Role, ScalingType
+from fp8train.config import Float8LinearConfig, Gemm, Role, ScalingGranularity, ScalingType
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.scaling import raise_amax
 from fp8train.tensor import Float8Tensor
@@ -129,13 +128,13 @@ def forward_operands(
     scale, record_amax = stateful_scale(
         hp, config.cast_config(role, Gemm.OUTPUT), state, config.round_scales_to_power_of_2
     )
-    if keep and shared and not torch.compiler.is_compiling():
-        # Eager: one cast writes the output gemm's layout and the backward gemm's, from one
-        # read of hp (on CUDA; a transposed copy elsewhere).
-        with torch.no_grad():
-            for_output, for_backward = cast_for_gemms(
-                hp, role, (Gemm.OUTPUT, backward_gemm), config, scale, record_amax
-            )
+    if keep and shared and (not torch.compiler.is_compiling() or _cast_ops_traced(config, role)):
+        # One cast writes the output gemm's layout and the backward gemm's, from one read of
+        # hp (the kernel on CUDA; a transposed copy elsewhere). Compiled, the region's tag
+        # keeps the backward layout; the output gemm's is freed after its gemm.
+        for_output, for_backward = _tagged_casts(
+            hp, role, (Gemm.OUTPUT, backward_gemm), config, tag, scale, record_amax
+        )
         observe_cast(observer, role, Gemm.OUTPUT, hp, for_output)
         return for_output, for_backward
     for_output = _tagged_cast(hp, role, Gemm.OUTPUT, config, tag, scale, record_amax)
@@ -277,6 +276,15 @@ def _shared(config: Float8LinearConfig, role: Role) -> bool:
     return cast_key(config, role, Gemm.OUTPUT) == cast_key(config, role, BACKWARD_GEMM[role])
 
 
+def _cast_ops_traced(config: Float8LinearConfig, role: Role) -> bool:
+    """True where a compiled cast of `role` is fp8train's custom ops, which write several
+    layouts in one pass (Float8LinearConfig.compiled_cast_kernels, tensorwise)."""
+    cast = config.cast_config(role, Gemm.OUTPUT)
+    return (
+        config.compiled_cast_kernels and cast.scaling_granularity is ScalingGranularity.TENSORWISE
+    )
+
+
 def _tagged_cast(
     hp: torch.Tensor,
     role: Role,
@@ -286,42 +294,56 @@ def _tagged_cast(
     scale: torch.Tensor | None = None,
     record_amax: torch.Tensor | None = None,
 ) -> Float8Tensor | None:
-    cast = config.cast_config(role, gemm)
+    return _tagged_casts(hp, role, (gemm,), config, keep, scale, record_amax)[0]
+
+
+def _tagged_casts(
+    hp: torch.Tensor,
+    role: Role,
+    gemms: tuple[Gemm, ...],
+    config: Float8LinearConfig,
+    keep: bool | None,
+    scale: torch.Tensor | None = None,
+    record_amax: torch.Tensor | None = None,
+) -> list[Float8Tensor | None]:
+    """One cast of `hp` for `gemms` (the same cast_key), each in its gemm's layout; compiled,
+    in a region tagged `keep` (True save, False recompute, None untagged)."""
+    cast = config.cast_config(role, gemms[0])
     if not cast.enabled:
-        return None
+        return [None for _ in gemms]
     if keep is None or not torch.compiler.is_compiling():
         with torch.no_grad():
-            return cast_for_gemm(hp, role, gemm, config, scale, record_amax)
+            return cast_for_gemms(hp, role, gemms, config, scale, record_amax)
     if record_amax is not None:
         # Outside the region, which must not hold an in-place update; still independent of
         # the cast, which uses an earlier step's scale.
         with torch.no_grad():
             raise_amax(record_amax, hp)
     # The region returns plain tensors: a subclass output of a checkpoint region is not traced.
-    data, scale = checkpoint(
+    *data, scale = checkpoint(
         _cast_to_tensors,
         hp,
         role,
-        gemm,
+        gemms,
         config,
         scale,
         use_reentrant=False,
         context_fn=functools.partial(create_selective_checkpoint_contexts, _SAVE_POLICIES[keep]),
     )
-    return Float8Tensor(data, scale, hp.dtype, cast.scaling_granularity)
+    return [Float8Tensor(d, scale, hp.dtype, cast.scaling_granularity) for d in data]
 
 
 def _cast_to_tensors(
     hp: torch.Tensor,
     role: Role,
-    gemm: Gemm,
+    gemms: tuple[Gemm, ...],
     config: Float8LinearConfig,
     scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     # No autograd graph for the cast: gradients reach hp through the matmul's own backward.
     with torch.no_grad():
-        fp8 = cast_for_gemm(hp, role, gemm, config, scale)
-    return fp8._data, fp8._scale
+        casts = cast_for_gemms(hp, role, gemms, config, scale)
+    return (*(fp8._data for fp8 in casts), casts[0]._scale)
 
 
 def _inside_user_checkpoint() -> bool:

@@ -129,12 +129,26 @@ POLICY_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("recompute_weight_cast", "recompute_input_cast", "backend"), POLICY_CASES)
+# The same policies with the casts as fp8train's custom ops (compiled_cast_kernels): the
+# partitioner sees other nodes, and the tags must steer it alike.
+KERNEL_POLICY_CASES = [
+    pytest.param(w, i, "aot_eager", True, id=f"{p.id.removesuffix('-aot_eager')}-cast-kernels")
+    for p in POLICY_CASES[:4]
+    for w, i, _ in (p.values,)
+]
+
+
+@pytest.mark.parametrize(
+    ("recompute_weight_cast", "recompute_input_cast", "backend", "cast_kernels"),
+    [pytest.param(*p.values, False, id=p.id) for p in POLICY_CASES] + KERNEL_POLICY_CASES,
+)
 def test_compiled_backward_receives_what_the_policy_keeps(
-    recompute_weight_cast, recompute_input_cast, backend
+    recompute_weight_cast, recompute_input_cast, backend, cast_kernels
 ):
     config = Float8LinearConfig(
-        recompute_weight_cast=recompute_weight_cast, recompute_input_cast=recompute_input_cast
+        recompute_weight_cast=recompute_weight_cast,
+        recompute_input_cast=recompute_input_cast,
+        compiled_cast_kernels=cast_kernels,
     )
     layer = Float8Linear(K, N, bias=False, config=config)
     x = torch.randn(M, K, requires_grad=True)
@@ -160,9 +174,11 @@ def test_compiled_backward_receives_what_the_policy_keeps(
         all_roles_config("rowwise"),
         all_roles_config("rowwise", recompute_input_cast=True),
         all_roles_config("rowwise", recompute_weight_cast=False),
+        Float8LinearConfig(compiled_cast_kernels=True),
+        Float8LinearConfig(compiled_cast_kernels=True, recompute_weight_cast=False),
     ],
     ids=["tensorwise", "tensorwise-keep-fp8-weight", "rowwise", "rowwise-keep-hp-input",
-         "rowwise-keep-fp8-weight"],
+         "rowwise-keep-fp8-weight", "cast-kernels", "cast-kernels-keep-fp8-weight"],
 )  # fmt: skip
 def test_compiled_and_eager_give_the_same_gradients(config):
     layer = Float8Linear(K, N, config=config)
@@ -174,6 +190,57 @@ def test_compiled_and_eager_give_the_same_gradients(config):
         fn(xi).square().sum().backward()
         grads.append((xi.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
     for eager, compiled in zip(*grads, strict=True):
+        assert torch.equal(eager, compiled)
+
+
+def _forward_graph_targets(fn, *inputs) -> list[str]:  # noqa: ANN001
+    """The call_function targets of the forward graph aot_autograd hands its compiler."""
+    targets: list[str] = []
+
+    def record(gm, _):  # noqa: ANN001, ANN202
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(
+        fw_compiler=record, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)
+    )
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs).sum().backward()
+    return targets
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_cast_kernels_trace_the_casts_as_fp8train_ops(device):
+    """With compiled_cast_kernels the compiled forward casts through fp8train's ops (the Triton
+    kernels on CUDA), and no float8 conversion is left for inductor to generate; without it,
+    the casts are plain aten ops."""
+    x = torch.randn(M, K, device=device, requires_grad=True)
+    on = Float8Linear(K, N, config=Float8LinearConfig(compiled_cast_kernels=True)).to(device)
+    targets = _forward_graph_targets(on, x)
+    # The input and the weight: one amax and one cast each.
+    assert targets.count("fp8train.amax.default") == 2
+    assert targets.count("fp8train.cast_from_amax.default") == 2
+    assert "aten.linalg_vector_norm.default" not in targets
+    off = Float8Linear(K, N).to(device)
+    targets = _forward_graph_targets(off, x)
+    assert not any(t.startswith("fp8train.") for t in targets)
+    assert "aten.linalg_vector_norm.default" in targets
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_cast_kernels_match_eager_bit_for_bit(device):
+    """Same output and gradients as eager mode (which on CUDA runs the same kernels)."""
+    config = Float8LinearConfig(compiled_cast_kernels=True)
+    layer = Float8Linear(K, N, config=config).to(device)
+    x = torch.randn(M, K, device=device)
+    results = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        out.square().sum().backward()
+        results.append((out.detach(), xi.grad, layer.weight.grad.clone()))
+    for eager, compiled in zip(*results, strict=True):
         assert torch.equal(eager, compiled)
 
 
