@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fp8train.config import BLOCK, CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
-from fp8train.kernels import HAS_TRITON, amax_2d, cast_2d, empty_2d
+from fp8train.kernels import HAS_TRITON, amax_2d, cast_2d
 from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
 
@@ -253,19 +253,7 @@ def _or_absent(data: torch.Tensor | None, hp: torch.Tensor, dtype: torch.dtype) 
     return _absent(hp, dtype) if data is None else data
 
 
-def _fake_layouts(hp: torch.Tensor, dtype: torch.dtype, row: bool, col: bool) -> tuple:
-    if hp.dim() != 2:
-        shaped = (torch.empty_like(hp, dtype=dtype) for _ in range(2))
-        return tuple(
-            t if asked else _absent(hp, dtype) for t, asked in zip(shaped, (row, col), strict=True)
-        )
-    return tuple(
-        empty_2d(*hp.shape, dtype, hp.device, cm) if asked else _absent(hp, dtype)
-        for cm, asked in ((False, row), (True, col))
-    )
-
-
-@torch.library.custom_op("fp8train::saturated_cast", mutates_args=("record_amax",))
+@torch.library.triton_op("fp8train::saturated_cast", mutates_args=("record_amax",))
 def _saturated_cast_op(
     hp: torch.Tensor,
     scale: torch.Tensor,
@@ -276,12 +264,13 @@ def _saturated_cast_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The float8 bytes of saturate(hp * scale), (row-major, column-major), each empty unless
     asked for; `record_amax` raised to max |hp| if given. The Triton kernel where it runs (2-D,
-    CUDA), else the torch path. An op of its own so that a traced graph holds it as one node;
-    eager casts call the kernel directly (cast_layouts)."""
+    CUDA), else the torch path. A triton op: a traced graph holds it as one node, and inductor
+    launches its kernel from the code it generates; eager casts call the kernel directly
+    (cast_layouts)."""
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
         _, row, col = cast_2d(
             hp, scale, float8_dtype, row_major=row_major, column_major=column_major,
-            record_amax=record_amax,
+            record_amax=record_amax, traced=True,
         )  # fmt: skip
         return _or_absent(row, hp, float8_dtype), _or_absent(col, hp, float8_dtype)
     if record_amax is not None:
@@ -289,26 +278,16 @@ def _saturated_cast_op(
     return _layouts_of(_saturated_cast(hp, scale, float8_dtype), row_major, column_major)
 
 
-@_saturated_cast_op.register_fake
-def _(hp, scale, float8_dtype, row_major, column_major, record_amax):  # noqa: ANN001, ANN202
-    return _fake_layouts(hp, float8_dtype, row_major, column_major)
-
-
-@torch.library.custom_op("fp8train::amax", mutates_args=())
+@torch.library.triton_op("fp8train::amax", mutates_args=())
 def _amax_op(hp: torch.Tensor) -> torch.Tensor:
     """max |hp| as a 0-d fp32 tensor: the one-launch Triton kernel on CUDA (2-D), else the
     torch path."""
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
-        return amax_2d(hp)
+        return amax_2d(hp, traced=True)
     return amax(hp, ScalingGranularity.TENSORWISE, None)
 
 
-@_amax_op.register_fake
-def _(hp):  # noqa: ANN001, ANN202
-    return torch.empty((), device=hp.device)
-
-
-@torch.library.custom_op("fp8train::cast_from_amax", mutates_args=())
+@torch.library.triton_op("fp8train::cast_from_amax", mutates_args=())
 def _cast_from_amax_op(
     hp: torch.Tensor,
     hp_amax: torch.Tensor,
@@ -323,20 +302,12 @@ def _cast_from_amax_op(
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
         scale, row, col = cast_2d(
             hp, hp_amax, float8_dtype, row_major=row_major, column_major=column_major,
-            scale_from_amax=True, round_to_power_of_2=round_to_power_of_2,
+            scale_from_amax=True, round_to_power_of_2=round_to_power_of_2, traced=True,
         )  # fmt: skip
         return scale, _or_absent(row, hp, float8_dtype), _or_absent(col, hp, float8_dtype)
     scale = amax_to_scale(hp_amax, float8_dtype, round_to_power_of_2=round_to_power_of_2)
     data = _saturated_cast(hp, scale, float8_dtype)
     return (scale, *_layouts_of(data, row_major, column_major))
-
-
-@_cast_from_amax_op.register_fake
-def _(hp, hp_amax, float8_dtype, round_to_power_of_2, row_major, column_major):  # noqa: ANN001, ANN202
-    return (
-        torch.empty((), device=hp.device),
-        *_fake_layouts(hp, float8_dtype, row_major, column_major),
-    )
 
 
 def cast_key(config: Float8LinearConfig, role: Role, gemm: Gemm) -> tuple | None:

@@ -54,7 +54,11 @@ def scaled_mm(
             return _block_scaled_mm(a, b, out_dtype)
         emulate = True  # no block-scaled gemm here (CPU, not sm90, CUDA < 12.9, fp16 output)
     if emulate or (a._data.device.type == "cpu" and not _CPU_ROWWISE and a._scale.numel() > 1):
-        return torch.mm(a.to_hp(torch.float32), b.to_hp(torch.float32)).to(out_dtype)
+        out = torch.mm(a.to_hp(torch.float32), b.to_hp(torch.float32)).to(out_dtype)
+        # torch 2.11's dynamo traced the backward of an autograd.Function whose forward
+        # returns this mm itself (fp32 out, no copy) with zeros for grad_output: every
+        # gradient came out 0. A copy of it does not (tests/test_compile.py, on torch 2.11).
+        return out.clone() if out_dtype == torch.float32 and torch.compiler.is_compiling() else out
     a_data, b_data = a._data, b._data
     # _scaled_mm takes the fp8 -> hp scales; 0-d for tensorwise, (M, 1) and (1, N) rowwise.
     a_inv_scale, b_inv_scale = _inverse_scale(a), _inverse_scale(b)

@@ -23,8 +23,9 @@ from torch.utils.checkpoint import (
 )
 
 from fp8train import Float8Linear, Float8LinearConfig, compute_error, convert_to_float8_training
+from fp8train.kernels import HAS_TRITON
 from fp8train.models import ModelArgs, Transformer
-from tests.conftest import DEVICES, all_roles_config
+from tests.conftest import DEVICES, FLOAT8_GPU_REASON, all_roles_config
 
 M, K, N = 64, 96, 48
 E4M3 = torch.float8_e4m3fn
@@ -129,29 +130,39 @@ POLICY_CASES = [
 ]
 
 
-# The same policies with the casts as fp8train's custom ops (compiled_cast_kernels): the
-# partitioner sees other nodes, and the tags must steer it alike.
-KERNEL_POLICY_CASES = [
-    pytest.param(w, i, "aot_eager", True, id=f"{p.id.removesuffix('-aot_eager')}-cast-kernels")
-    for p in POLICY_CASES[:4]
-    for w, i, _ in (p.values,)
-]
-
-
-@pytest.mark.parametrize(
-    ("recompute_weight_cast", "recompute_input_cast", "backend", "cast_kernels"),
-    [pytest.param(*p.values, False, id=p.id) for p in POLICY_CASES] + KERNEL_POLICY_CASES,
-)
+@pytest.mark.parametrize(("recompute_weight_cast", "recompute_input_cast", "backend"), POLICY_CASES)
 def test_compiled_backward_receives_what_the_policy_keeps(
-    recompute_weight_cast, recompute_input_cast, backend, cast_kernels
+    recompute_weight_cast, recompute_input_cast, backend
 ):
+    config = Float8LinearConfig(
+        recompute_weight_cast=recompute_weight_cast, recompute_input_cast=recompute_input_cast
+    )
+    _check_policy_kept(config, recompute_weight_cast, recompute_input_cast, backend, "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("recompute_weight_cast", "recompute_input_cast"),
+    [(True, False), (True, True), (False, False), (False, True)],
+    ids=["recompute-weight-keep-fp8-input", "recompute-weight-keep-hp-input",
+         "keep-fp8-weight-keep-fp8-input", "keep-fp8-weight-keep-hp-input"],
+)  # fmt: skip
+def test_compiled_cast_kernels_keep_what_the_policy_keeps(
+    recompute_weight_cast, recompute_input_cast, device
+):
+    """The same policies with compiled_cast_kernels: on CUDA the casts are fp8train's triton
+    ops, other nodes for the partitioner, and the tags must steer it alike."""
     config = Float8LinearConfig(
         recompute_weight_cast=recompute_weight_cast,
         recompute_input_cast=recompute_input_cast,
-        compiled_cast_kernels=cast_kernels,
+        compiled_cast_kernels=True,
     )
-    layer = Float8Linear(K, N, bias=False, config=config)
-    x = torch.randn(M, K, requires_grad=True)
+    _check_policy_kept(config, recompute_weight_cast, recompute_input_cast, "aot_eager", device)
+
+
+def _check_policy_kept(config, recompute_weight_cast, recompute_input_cast, backend, device):  # noqa: ANN001, ANN202
+    layer = Float8Linear(K, N, bias=False, config=config, device=device)
+    x = torch.randn(M, K, requires_grad=True, device=device)
     graph = backward_inputs(layer, x, backend=backend)
 
     # input: float8 (M, K) for the grad_weight gemm, or the hp input to recast, never both.
@@ -176,11 +187,13 @@ def test_compiled_backward_receives_what_the_policy_keeps(
         all_roles_config("rowwise", recompute_weight_cast=False),
         Float8LinearConfig(compiled_cast_kernels=True),
         Float8LinearConfig(compiled_cast_kernels=True, recompute_weight_cast=False),
+        Float8LinearConfig(emulate=True),
     ],
     ids=["tensorwise", "tensorwise-keep-fp8-weight", "rowwise", "rowwise-keep-hp-input",
-         "rowwise-keep-fp8-weight", "cast-kernels", "cast-kernels-keep-fp8-weight"],
+         "rowwise-keep-fp8-weight", "cast-kernels", "cast-kernels-keep-fp8-weight", "emulate"],
 )  # fmt: skip
 def test_compiled_and_eager_give_the_same_gradients(config):
+    torch._dynamo.reset()
     layer = Float8Linear(K, N, config=config)
     x = torch.randn(M, K)
     grads = []
@@ -209,22 +222,26 @@ def _forward_graph_targets(fn, *inputs) -> list[str]:  # noqa: ANN001
     return targets
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_compiled_cast_kernels_trace_the_casts_as_fp8train_ops(device):
-    """With compiled_cast_kernels the compiled forward casts through fp8train's ops (the Triton
-    kernels on CUDA), and no float8 conversion is left for inductor to generate; without it,
-    the casts are plain aten ops."""
-    x = torch.randn(M, K, device=device, requires_grad=True)
-    on = Float8Linear(K, N, config=Float8LinearConfig(compiled_cast_kernels=True)).to(device)
+@pytest.mark.skipif(
+    FLOAT8_GPU_REASON is not None or not HAS_TRITON, reason=str(FLOAT8_GPU_REASON or "Triton")
+)
+def test_compiled_cast_kernels_trace_the_casts_as_fp8train_kernels():
+    """With compiled_cast_kernels the compiled forward casts through fp8train's Triton kernels
+    (its triton ops, traced into kernel launches inductor makes itself), and no amax or
+    float8 conversion is left for inductor to generate; without it, the casts are aten ops.
+    (On the CPU the same ops trace into their torch path.)"""
+    x = torch.randn(M, K, device="cuda", requires_grad=True)
+    on = Float8Linear(K, N, config=Float8LinearConfig(compiled_cast_kernels=True)).cuda()
     targets = _forward_graph_targets(on, x)
-    # The input and the weight: one amax and one cast each.
-    assert targets.count("fp8train.amax.default") == 2
-    assert targets.count("fp8train.cast_from_amax.default") == 2
+    # The input and the weight: one amax kernel and one cast kernel each.
+    assert sum("triton_kernel_wrapper" in t for t in targets) == 4
+    # No torch-path cast: its amax (vector_norm) and its saturation (clamp).
     assert "aten.linalg_vector_norm.default" not in targets
-    off = Float8Linear(K, N).to(device)
-    targets = _forward_graph_targets(off, x)
-    assert not any(t.startswith("fp8train.") for t in targets)
+    assert "aten.clamp.default" not in targets
+    targets = _forward_graph_targets(Float8Linear(K, N).cuda(), x)
+    assert not any("triton_kernel_wrapper" in t for t in targets)
     assert "aten.linalg_vector_norm.default" in targets
+    assert "aten.clamp.default" in targets
 
 
 @pytest.mark.parametrize("device", DEVICES)

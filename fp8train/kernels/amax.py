@@ -20,7 +20,15 @@ import functools
 
 import torch
 
-from fp8train.kernels.launch import HAS_TRITON, cdiv, current_stream, launch, tl, triton
+from fp8train.kernels.launch import (
+    HAS_TRITON,
+    cdiv,
+    current_stream,
+    launch,
+    tl,
+    traced_launch,
+    triton,
+)
 
 if HAS_TRITON:
 
@@ -80,18 +88,29 @@ def _state(device: int) -> tuple[torch.Tensor, torch.Tensor]:
     return state
 
 
-def amax_2d(hp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """max |hp| in fp32 (0-d) for a 2-D CUDA tensor, written into `out` (0-d fp32) if given."""
+def amax_2d(
+    hp: torch.Tensor, out: torch.Tensor | None = None, *, traced: bool = False
+) -> torch.Tensor:
+    """max |hp| in fp32 (0-d) for a 2-D CUDA tensor, written into `out` (0-d fp32) if given.
+    `traced`: the body of a triton op that torch.compile traces; the running maximum is the
+    output itself and the counter a fresh zero, no state kept between calls."""
     m, n = hp.shape
-    if out is None:
+    if traced:
+        out = torch.zeros((), dtype=torch.float32, device=hp.device)
+    elif out is None:
         out = torch.empty((), dtype=torch.float32, device=hp.device)
     if hp.numel() == 0:
         return out.zero_()
-    device = torch.cuda.current_device()
+    device = hp.device.index if traced else torch.cuda.current_device()
     tiles_n = cdiv(n, _BLOCK_N)
     tiles = cdiv(m, _BLOCK_M) * tiles_n
-    running, count = _state(device)
-    launch(
+    if traced:
+        # The last program moves the running maximum to the output and zeroes it: with the
+        # output as the running maximum, it writes the maximum back.
+        running, count = out, torch.zeros((), dtype=torch.int32, device=hp.device)
+    else:
+        running, count = _state(device)
+    (traced_launch if traced else launch)(
         _amax_kernel, (min(tiles, _max_programs(device)),),
         hp, out, running, count, m, n, hp.stride(0), hp.stride(1), tiles_n, tiles,
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=8,

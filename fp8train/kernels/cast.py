@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8train.kernels.launch import HAS_TRITON, cdiv, launch, tl, triton
+from fp8train.kernels.launch import HAS_TRITON, cdiv, launch, tl, traced_launch, triton
 from fp8train.scaling import EPS, amax_to_scale
 
 if HAS_TRITON:
@@ -118,6 +118,7 @@ def cast_2d(
     record_amax: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
     inverse_out: torch.Tensor | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The float8 bytes of `saturate(hp * scale)` for a 2-D CUDA tensor `hp`, in the layouts
     asked for: (scale, row-major data or None, column-major data or None).
@@ -126,6 +127,7 @@ def cast_2d(
     `scale_out` if given); otherwise the given scale is returned. `record_amax`: a 0-d fp32
     buffer that is raised to max |hp| in place. `inverse_out`: a 0-d fp32 tensor that receives
     1 / scale (the gemm's fp8 -> hp scale, as `reciprocal` computes it) for a tensorwise cast.
+    `traced`: the body of a triton op that torch.compile traces (launched through wrap_triton).
     """
     m, n = hp.shape
     if not (row_major or column_major):
@@ -138,9 +140,11 @@ def cast_2d(
         scale, row, _ = cast_2d(
             hp, scale, float8_dtype, scale_from_amax=scale_from_amax,
             round_to_power_of_2=round_to_power_of_2, record_amax=record_amax,
-            scale_out=scale_out, inverse_out=inverse_out,
+            scale_out=scale_out, inverse_out=inverse_out, traced=traced,
         )  # fmt: skip
-        _, _, col = cast_2d(hp, scale, float8_dtype, row_major=False, column_major=True)
+        _, _, col = cast_2d(
+            hp, scale, float8_dtype, row_major=False, column_major=True, traced=traced
+        )
         return scale, row, col
     if inverse_out is not None and not scale_from_amax and scale.numel() != 1:
         raise ValueError("inverse_out needs a tensorwise (one-element) scale")
@@ -157,7 +161,7 @@ def cast_2d(
         return (scale_out if scale_from_amax else scale), row, col
     scale_strides = (0, 0) if scale_from_amax else scale.expand(m, n).stride()
     any_out = row if row is not None else col
-    launch(
+    (traced_launch if traced else launch)(
         _cast_kernel, (cdiv(m, _BLOCK_M), cdiv(n, _BLOCK_N)),
         hp,
         scale,

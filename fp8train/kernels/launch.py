@@ -124,3 +124,12 @@ def launch(
         _LAUNCHERS[key] = _Launcher(compiled.result() if hasattr(compiled, "result") else compiled)
         return
     launcher(grid, current_stream(device), (*args, *values))
+
+
+def traced_launch(
+    kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **constexprs: Any
+) -> None:
+    """`launch` for the bodies of fp8train's triton ops, which torch.compile traces: through
+    `torch.library.wrap_triton`, so that inductor launches the kernel from its own generated
+    code, with no Python of ours on the host at run time."""
+    torch.library.wrap_triton(kernel)[grid](*args, **constexprs, num_warps=num_warps)
