@@ -55,6 +55,8 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
     ):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # Launched by inductor (the triton ops), Python floats arrive as fp64.
+        fp8_max, eps = fp8_max.to(tl.float32), eps.to(tl.float32)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         mask = (rows < M) & (cols < N)
