@@ -43,8 +43,8 @@ if HAS_TRITON:
         stride_hn,
         stride_sm,
         stride_sn,
-        fp8_max,
-        eps,
+        FP8_MAX: tl.constexpr,
+        EPS: tl.constexpr,
         SCALE_FROM_AMAX: tl.constexpr,
         WRITE_INVERSE: tl.constexpr,
         POW2: tl.constexpr,
@@ -55,8 +55,9 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
     ):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        # Launched by inductor (the triton ops), Python floats arrive as fp64.
-        fp8_max, eps = fp8_max.to(tl.float32), eps.to(tl.float32)
+        # Constexprs, not runtime floats: inductor's launch of the triton ops would pass those
+        # as fp64 (and its mutation analysis cannot trace a conversion of them).
+        fp8_max, eps = FP8_MAX, EPS
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         mask = (rows < M) & (cols < N)
@@ -173,7 +174,8 @@ def cast_2d(
         scale if inverse_out is None else inverse_out,
         scale if record_amax is None else record_amax,
         m, n, hp.stride(0), hp.stride(1), scale_strides[0], scale_strides[1],
-        torch.finfo(float8_dtype).max, EPS,
+        FP8_MAX=torch.finfo(float8_dtype).max,
+        EPS=EPS,
         SCALE_FROM_AMAX=scale_from_amax,
         WRITE_INVERSE=inverse_out is not None,
         POW2=round_to_power_of_2,
