@@ -37,6 +37,7 @@ from fp8train import (
     Float8Linear,
     Float8LinearConfig,
     Float8LinearRecipeName,
+    compute_error,
     sync_float8_amax_and_scale_history,
 )
 
@@ -130,6 +131,10 @@ def bench_shape(
         for key, layer in layers.items():
             times[key].append(median_time_s(step(key, layer), device))
     t = {key: statistics.median(values) for key, values in times.items()}
+    # A guard on the timed code itself: each float8 output against the reference's (dB).
+    with torch.no_grad():
+        want = layers["ref"](x)
+        sqnr = {key: compute_error(want, layers[key](x)).item() for key in layers if key != "ref"}
     row = {
         "name": name,
         "shape": f"({m}, {k}, {n})",
@@ -140,12 +145,14 @@ def bench_shape(
         "ref_time_sec": t["ref"],
         "fp8_time_sec": t["fp8"],
         "fp8_speedup": t["ref"] / t["fp8"],
+        "fp8_sqnr_db": sqnr["fp8"],
     }
     if "torchao" in t:
         row |= {
             "torchao_time_sec": t["torchao"],
             "torchao_speedup": t["ref"] / t["torchao"],
             "vs_torchao": t["torchao"] / t["fp8"],
+            "torchao_sqnr_db": sqnr["torchao"],
         }
     return row
 

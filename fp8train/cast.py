@@ -376,7 +376,10 @@ def cast_for_gemms(
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         scale=scale,
         record_amax=record_amax,
-        compiled_kernels=config.compiled_cast_kernels,
+        compiled_kernels=config.compiled_cast_kernels
+        # A float8 weight kept for backward: on the H200 the partitioner kept the hp weight
+        # instead when its cast was a triton op; the torch path's cast keeps to the policy.
+        and not (role is Role.WEIGHT and not config.recompute_weight_cast),
     )
 
 

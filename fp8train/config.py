@@ -283,11 +283,14 @@ class Float8LinearConfig:
     """History length and scale function of the roles with scaling_type 'delayed'."""
 
     compiled_cast_kernels: bool = False
-    """Under torch.compile, run each tensorwise cast as fp8train's own kernels (custom ops:
-    a one-launch amax, then one pass that computes the scale and writes every layout the gemms
-    need) instead of leaving the casts to inductor. Off: inductor generates the casts and may
-    fuse them with the ops around them (a norm, an activation). Eager mode always uses the
-    kernels on CUDA. On the CPU the same ops run the torch path."""
+    """Experimental. Under torch.compile, run each tensorwise cast as fp8train's own Triton
+    kernels (triton ops that inductor launches itself: a one-launch amax, then one pass that
+    computes the scale and writes every layout the gemms need) instead of leaving the casts to
+    inductor. Off: inductor generates the casts and may fuse them with the ops around them (a
+    norm, an activation). A float8 weight kept for backward (recompute_weight_cast=False) is
+    cast on the torch path either way. Eager mode always uses the kernels on CUDA; on the CPU
+    the ops trace into the torch path. See benchmarks/results/compiled_cast_kernels_*.md:
+    faster on GPU-bound layers, slower on thin ones, correctness on the GPU not yet shown."""
 
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight

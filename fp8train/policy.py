@@ -277,11 +277,14 @@ def _shared(config: Float8LinearConfig, role: Role) -> bool:
 
 
 def _cast_ops_traced(config: Float8LinearConfig, role: Role) -> bool:
-    """True where a compiled cast of `role` is fp8train's custom ops, which write several
-    layouts in one pass (Float8LinearConfig.compiled_cast_kernels, tensorwise)."""
+    """True where a compiled cast of `role` is fp8train's triton ops, which write several
+    layouts in one pass (Float8LinearConfig.compiled_cast_kernels, tensorwise). A kept float8
+    weight takes the torch path (fp8train.cast.cast_for_gemms)."""
     cast = config.cast_config(role, Gemm.OUTPUT)
     return (
-        config.compiled_cast_kernels and cast.scaling_granularity is ScalingGranularity.TENSORWISE
+        config.compiled_cast_kernels
+        and cast.scaling_granularity is ScalingGranularity.TENSORWISE
+        and not (role is Role.WEIGHT and not config.recompute_weight_cast)
     )
 
 

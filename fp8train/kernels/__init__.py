@@ -2,7 +2,8 @@
 
 Kernels are used in eager mode on CUDA, where each torch op is a separate pass over memory with
 its own temporaries. Under torch.compile the torch path is traced instead and inductor fuses it
-with the neighbouring ops, which an opaque kernel would prevent.
+with the neighbouring ops, unless Float8LinearConfig.compiled_cast_kernels asks for the kernels
+(as triton ops, fp8train.cast).
 """
 
 from fp8train.kernels.amax import amax_2d

@@ -92,8 +92,8 @@ def amax_2d(
     hp: torch.Tensor, out: torch.Tensor | None = None, *, traced: bool = False
 ) -> torch.Tensor:
     """max |hp| in fp32 (0-d) for a 2-D CUDA tensor, written into `out` (0-d fp32) if given.
-    `traced`: the body of a triton op that torch.compile traces; the running maximum is the
-    output itself and the counter a fresh zero, no state kept between calls."""
+    `traced`: the body of a triton op that torch.compile traces; the running maximum and the
+    counter are fresh zeros, no state kept between calls."""
     m, n = hp.shape
     if traced:
         out = torch.zeros((), dtype=torch.float32, device=hp.device)
@@ -105,9 +105,10 @@ def amax_2d(
     tiles_n = cdiv(n, _BLOCK_N)
     tiles = cdiv(m, _BLOCK_M) * tiles_n
     if traced:
-        # The last program moves the running maximum to the output and zeroes it: with the
-        # output as the running maximum, it writes the maximum back.
-        running, count = out, torch.zeros((), dtype=torch.int32, device=hp.device)
+        # Fresh zeros, each its own tensor: functionalization copies a kernel's mutated
+        # arguments one by one, so one tensor passed as two of them could come back as two.
+        running = torch.zeros((), dtype=torch.float32, device=hp.device)
+        count = torch.zeros((), dtype=torch.int32, device=hp.device)
     else:
         running, count = _state(device)
     (traced_launch if traced else launch)(
