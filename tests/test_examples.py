@@ -23,7 +23,13 @@ def run(tmp_path, *argv: str) -> list[dict]:  # noqa: ANN001
 def test_training_runs_compare_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "loss.png"
-    configs = ["bf16", "tensorwise", "tensorwise-delayed", "tensorwise-delayed-one-pass"]
+    configs = [
+        "bf16",
+        "tensorwise",
+        "tensorwise-delayed",
+        "tensorwise-delayed-one-pass",
+        "tensorwise-cast-kernels",
+    ]
     rows = run(tmp_path, "--configs", *configs, "--plot", str(plot))
     assert [r["config"] for r in rows] == configs
     for row in rows:
