@@ -6,7 +6,9 @@ mode and compiled, with torchao.float8 as a column when it is importable.
 
 Configs: "fp8 default" recomputes the weight cast and, compiled, lets the partitioner choose
 between the float8 and the hp input; "keep-fp8-input" forces the float8 input (what eager mode
-keeps by default); "keep-weight" keeps the float8 weight; "keep-hp-input" the hp input.
+keeps by default); "keep-weight" keeps the float8 weight; "keep-hp-input" the hp input;
+"cast-kernels" is the default policy with compiled_cast_kernels=True (in eager mode the same
+as "fp8 default"; compiled, the casts are fp8train's triton ops).
 
 Cases:
     linear-4096    10 x Linear(4096, 4096, bias=False), batch 4096: float8_experimental's case
