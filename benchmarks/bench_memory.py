@@ -49,7 +49,7 @@ FP8_CONFIGS: dict[str, Float8LinearConfig] = {
     "fp8 keep-fp8-input": Float8LinearConfig(recompute_input_cast=False),
     "fp8 keep-weight": Float8LinearConfig(recompute_weight_cast=False),
     "fp8 keep-hp-input": Float8LinearConfig(recompute_input_cast=True),
-    # Compiled with fp8train's cast kernels as custom ops; in eager mode the same as default.
+    # Compiled with fp8train's cast kernels as triton ops; in eager mode the same as default.
     "fp8 cast-kernels": Float8LinearConfig(compiled_cast_kernels=True),
 }
 

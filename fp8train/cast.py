@@ -106,7 +106,7 @@ def cast_layouts(
     column-major). `scale`: given (delayed, static) instead of found from the amax;
     `record_amax`: a 0-d fp32 buffer raised to max |hp| (delayed scaling's next amax), in
     the cast's own pass where the kernel runs. `compiled_kernels`: a tensorwise cast traced
-    by torch.compile becomes fp8train's custom ops (Float8LinearConfig.compiled_cast_kernels)."""
+    by torch.compile becomes fp8train's triton ops (uses_cast_kernels)."""
     if (
         compiled_kernels
         and granularity is ScalingGranularity.TENSORWISE
@@ -180,8 +180,8 @@ def _cast_ops(
     scale: torch.Tensor | None,
     record_amax: torch.Tensor | None,
 ) -> list[Float8Tensor]:
-    """A tensorwise cast as custom ops, for torch.compile: one node for the amax and one for
-    the cast writing every layout in `layouts`, which inductor calls as they are."""
+    """A tensorwise cast as triton ops, for torch.compile: one for the amax and one for the
+    cast writing every layout in `layouts`; inductor launches their kernels itself."""
     row, col = False in layouts, True in layouts
     ops = torch.ops.fp8train
     if scale is None:
@@ -376,10 +376,17 @@ def cast_for_gemms(
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         scale=scale,
         record_amax=record_amax,
-        compiled_kernels=config.compiled_cast_kernels
-        # A float8 weight kept for backward: on the H200 the partitioner kept the hp weight
-        # instead when its cast was a triton op; the torch path's cast keeps to the policy.
-        and not (role is Role.WEIGHT and not config.recompute_weight_cast),
+        compiled_kernels=uses_cast_kernels(config, role),
+    )
+
+
+def uses_cast_kernels(config: Float8LinearConfig, role: Role) -> bool:
+    """True where compiled casts of `role` are fp8train's triton ops
+    (Float8LinearConfig.compiled_cast_kernels; tensorwise casts only). Not for a float8 weight
+    kept for backward: on the H200 the partitioner kept the hp weight instead when its cast was
+    a triton op, and the torch path's cast keeps to the policy."""
+    return config.compiled_cast_kernels and not (
+        role is Role.WEIGHT and not config.recompute_weight_cast
     )
 
 

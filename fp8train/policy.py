@@ -55,6 +55,7 @@ from fp8train.cast import (
     _column_major,
     cast_for_gemms,
     cast_key,
+    uses_cast_kernels,
     with_layout,
 )
 from fp8train.config import Float8LinearConfig, Gemm, Role, ScalingGranularity, ScalingType
@@ -278,13 +279,11 @@ def _shared(config: Float8LinearConfig, role: Role) -> bool:
 
 def _cast_ops_traced(config: Float8LinearConfig, role: Role) -> bool:
     """True where a compiled cast of `role` is fp8train's triton ops, which write several
-    layouts in one pass (Float8LinearConfig.compiled_cast_kernels, tensorwise). A kept float8
-    weight takes the torch path (fp8train.cast.cast_for_gemms)."""
+    layouts in one pass (fp8train.cast.uses_cast_kernels)."""
     cast = config.cast_config(role, Gemm.OUTPUT)
     return (
-        config.compiled_cast_kernels
+        uses_cast_kernels(config, role)
         and cast.scaling_granularity is ScalingGranularity.TENSORWISE
-        and not (role is Role.WEIGHT and not config.recompute_weight_cast)
     )
 
 

@@ -95,9 +95,7 @@ def amax_2d(
     `traced`: the body of a triton op that torch.compile traces; the running maximum and the
     counter are fresh zeros, no state kept between calls."""
     m, n = hp.shape
-    if traced:
-        out = torch.zeros((), dtype=torch.float32, device=hp.device)
-    elif out is None:
+    if out is None:
         out = torch.empty((), dtype=torch.float32, device=hp.device)
     if hp.numel() == 0:
         return out.zero_()
