@@ -7,6 +7,8 @@ feeds, so the same tensor can need a different cast for each of its two gemms.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -253,7 +255,25 @@ def _or_absent(data: torch.Tensor | None, hp: torch.Tensor, dtype: torch.dtype) 
     return _absent(hp, dtype) if data is None else data
 
 
-@torch.library.triton_op("fp8train::saturated_cast", mutates_args=("record_amax",))
+def _triton_op(name: str, *, mutates_args: tuple[str, ...]):  # noqa: ANN202
+    """torch.library.triton_op, without the warning torch logs at registration when Triton is
+    absent (CPU builds): it looks for kernels in the function and finds none. The op runs the
+    torch path there."""
+
+    def register(fn):  # noqa: ANN001, ANN202
+        log = logging.getLogger("torch._library.triton")
+        level = log.level
+        if not HAS_TRITON:
+            log.setLevel(logging.ERROR)
+        try:
+            return torch.library.triton_op(name, mutates_args=mutates_args)(fn)
+        finally:
+            log.setLevel(level)
+
+    return register
+
+
+@_triton_op("fp8train::saturated_cast", mutates_args=("record_amax",))
 def _saturated_cast_op(
     hp: torch.Tensor,
     scale: torch.Tensor,
@@ -278,7 +298,7 @@ def _saturated_cast_op(
     return _layouts_of(_saturated_cast(hp, scale, float8_dtype), row_major, column_major)
 
 
-@torch.library.triton_op("fp8train::amax", mutates_args=())
+@_triton_op("fp8train::amax", mutates_args=())
 def _amax_op(hp: torch.Tensor) -> torch.Tensor:
     """max |hp| as a 0-d fp32 tensor: the one-launch Triton kernel on CUDA (2-D), else the
     torch path."""
@@ -287,7 +307,7 @@ def _amax_op(hp: torch.Tensor) -> torch.Tensor:
     return amax(hp, ScalingGranularity.TENSORWISE, None)
 
 
-@torch.library.triton_op("fp8train::cast_from_amax", mutates_args=())
+@_triton_op("fp8train::cast_from_amax", mutates_args=())
 def _cast_from_amax_op(
     hp: torch.Tensor,
     hp_amax: torch.Tensor,

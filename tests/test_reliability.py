@@ -1,5 +1,8 @@
-"""Failure modes: clear errors for hardware that cannot run float8, and non-finite values that
-reach the loss as they would in bf16 instead of being hidden."""
+"""Failure modes: clear errors for hardware that cannot run float8, non-finite values that
+reach the loss as they would in bf16 instead of being hidden, and a quiet import."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,3 +93,12 @@ def test_huge_finite_values_saturate_to_finite_outputs(device):
 def test_moving_a_layer_to_a_float8_gpu_passes_the_device_check(device):
     layer = Float8Linear(K, N).to(device)
     assert layer.weight.device.type == device
+
+
+def test_importing_the_library_logs_nothing():
+    # torch logs a warning for each Triton op registered where Triton is absent (CPU builds).
+    done = subprocess.run(
+        [sys.executable, "-c", "import fp8train"], capture_output=True, text=True, check=True
+    )
+    assert done.stderr == ""
+    assert done.stdout == ""
