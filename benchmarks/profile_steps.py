@@ -4,6 +4,9 @@ times with dynamo's counters (frames, graph breaks).
 
     python benchmarks/profile_steps.py layer     # one layer, ffn.w13 and attn.w0, fp8train and
                                                  # torchao.float8, eager and compiled
+    SHAPES=attn.wqkv,ffn.w13 MODES=compiled KERNELS=1 python benchmarks/profile_steps.py layer
+                                                 # other shapes, compiled only, and fp8train
+                                                 # with compiled_cast_kernels too
     python benchmarks/profile_steps.py demo      # the demo's CUDA model (8 layers, dim 1024),
                                                  # bf16 and float8, eager and compiled
     ONLY=1 python benchmarks/profile_steps.py demo   # float8 compiled only
@@ -53,16 +56,33 @@ def top(fn, n=14, steps=3):
         )
 
 
+LAYER_SHAPES = {
+    "attn.wqkv": (16384, 8192, 1280),
+    "attn.w0": (16384, 1024, 8192),
+    "ffn.w13": (16384, 8192, 7168),
+    "ffn.w2": (16384, 3584, 8192),
+}
+
+
 def layer_part():
-    for name, (m, k, n) in {"ffn.w13": (16384, 8192, 7168), "attn.w0": (16384, 1024, 8192)}.items():
+    import os
+
+    shapes = os.environ.get("SHAPES", "ffn.w13,attn.w0").split(",")
+    modes = [m == "compiled" for m in os.environ.get("MODES", "eager,compiled").split(",")]
+    for name in shapes:
+        m, k, n = LAYER_SHAPES[name]
         ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         impls = {"ours": Float8Linear.from_float(copy.deepcopy(ref), Float8LinearConfig())}
+        if os.environ.get("KERNELS"):
+            impls["ours cast-kernels"] = Float8Linear.from_float(
+                copy.deepcopy(ref), Float8LinearConfig(compiled_cast_kernels=True)
+            )
         if ao:
             impls["torchao"] = ao.convert_to_float8_training(nn.Sequential(copy.deepcopy(ref)))
         for key, mod in impls.items():
-            for comp in (False, True):
+            for comp in modes:
                 torch._dynamo.reset()
                 f = torch.compile(mod) if comp else mod
                 print(f"\n##### {name} {key} compiled={comp}")
