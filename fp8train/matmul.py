@@ -44,11 +44,13 @@ def blockwise_tokens_misaligned(
     this input's number of tokens."""
     cast = config.cast_config(Role.INPUT, Gemm.GRAD_WEIGHT)
     tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
+    # The config first: under dynamic shapes `tokens % BLOCK` is a guard, which a layer
+    # without blockwise scaling must not install (it would recompile at every multiple).
     return bool(
-        tokens % BLOCK
-        and weight.requires_grad
-        and cast.enabled
+        cast.enabled
         and cast.scaling_granularity is ScalingGranularity.BLOCKWISE
+        and weight.requires_grad
+        and tokens % BLOCK
     )
 
 
@@ -59,10 +61,10 @@ def tokens_misaligned(
     fail in backward: the caller raises in forward instead, naming the layer."""
     tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
     return bool(
-        tokens % ALIGNMENT
+        not (config.emulate or config.pad_inner_dim)
         and weight.requires_grad
-        and not (config.emulate or config.pad_inner_dim)
         and cast_key(config, Role.INPUT, Gemm.GRAD_WEIGHT) is not None
+        and tokens % ALIGNMENT
     )
 
 

@@ -67,6 +67,23 @@ def test_llama_model_is_one_graph_without_recompiles(backend, device, recompute_
     assert compute_error(model(tokens), compiled(tokens)) > 40
 
 
+def test_dynamic_token_counts_share_one_graph():
+    """Under dynamic shapes the alignment checks guard only on what the config needs: a
+    tensorwise layer must not install blockwise's `tokens % 128` guard and recompile when a
+    multiple of 128 arrives. (aot_eager: inductor adds divisibility guards of its own.)"""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = Float8Linear(64, 48)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    frames = None
+    for tokens in (32, 48, 128, 256):
+        x = torch.randn(tokens, 64)
+        torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+        frames = frames or counter.frame_count
+    assert counter.frame_count == frames
+
+
 # ------------------------------------------------------------- what the backward receives
 
 
