@@ -2,20 +2,21 @@
 """Where the time of a step goes on the GPU: per-kernel CUDA time (torch.profiler) and step
 times with dynamo's counters (frames, graph breaks).
 
-    python benchmarks/profile_steps.py layer     # one layer, ffn.w13 and attn.w0, fp8train and
+    python -m benchmarks.profile_steps layer     # one layer, ffn.w13 and attn.w0, fp8train and
                                                  # torchao.float8, eager and compiled
-    SHAPES=attn.wqkv,ffn.w13 MODES=compiled KERNELS=1 python benchmarks/profile_steps.py layer
+    SHAPES=attn.wqkv,ffn.w13 MODES=compiled KERNELS=1 python -m benchmarks.profile_steps layer
                                                  # other shapes, compiled only, and fp8train
                                                  # with compiled_cast_kernels too
-    python benchmarks/profile_steps.py demo      # the demo's CUDA model (8 layers, dim 1024),
+    python -m benchmarks.profile_steps demo      # the demo's CUDA model (8 layers, dim 1024),
                                                  # bf16 and float8, eager and compiled
-    ONLY=1 python benchmarks/profile_steps.py demo   # float8 compiled only
+    ONLY=1 python -m benchmarks.profile_steps demo   # float8 compiled only
 
 A diagnostic, not a benchmark table: the step times are single steps (the first includes
 compilation).
 """
 
 import copy
+import os
 import sys
 import time
 import traceback
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.bench_linear import LLAMA_70B_SHAPES
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
@@ -56,21 +58,11 @@ def top(fn, n=14, steps=3):
         )
 
 
-LAYER_SHAPES = {
-    "attn.wqkv": (16384, 8192, 1280),
-    "attn.w0": (16384, 1024, 8192),
-    "ffn.w13": (16384, 8192, 7168),
-    "ffn.w2": (16384, 3584, 8192),
-}
-
-
 def layer_part():
-    import os
-
     shapes = os.environ.get("SHAPES", "ffn.w13,attn.w0").split(",")
     modes = [m == "compiled" for m in os.environ.get("MODES", "eager,compiled").split(",")]
     for name in shapes:
-        m, k, n = LAYER_SHAPES[name]
+        m, k, n = LLAMA_70B_SHAPES[name]
         ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -94,8 +86,6 @@ def demo_part():
     torch.manual_seed(0)
     base = Transformer(a)
     inp = torch.randint(0, 256, (8, 1024), device="cuda")
-    import os
-
     combos = (
         [(True, True)]
         if os.environ.get("ONLY")
