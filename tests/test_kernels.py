@@ -223,6 +223,23 @@ def test_amax_kernel_matches_the_torch_amax_bit_for_bit(shape, hp_dtype):
 
 
 @needs_triton_gpu
+@pytest.mark.parametrize("shape", [(17, 33), (4097, 130), (300, 1000)], ids=str)
+def test_kernels_give_the_same_bytes_over_every_tile_shape(shape):
+    """The tile shapes benchmarks/bench_cast.py times: each a correct kernel, not a faster
+    wrong one."""
+    from benchmarks.bench_cast import AMAX_TILES, CAST_TILES
+
+    hp = (torch.randn(shape, device="cuda") * 10).to(torch.bfloat16)
+    hp_amax = _tensorwise_amax(hp)
+    reference = _bytes(_saturated_cast(hp, amax_to_scale(hp_amax, E4M3), E4M3))
+    for tile in AMAX_TILES:
+        assert torch.equal(amax_2d(hp, tile=tile), hp_amax), tile
+    for tile in CAST_TILES:
+        _, row, col = cast_2d(hp, hp_amax, E4M3, column_major=True, scale_from_amax=True, tile=tile)
+        assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference), tile
+
+
+@needs_triton_gpu
 def test_amax_kernel_resets_its_state_between_launches():
     """The running maximum is shared by every launch on a stream: a small amax after a large
     one must not see the large one."""

@@ -65,14 +65,16 @@ if HAS_TRITON:
             tl.atomic_xchg(count_ptr, 0)
 
 
-_BLOCK_M, _BLOCK_N, _PROGRAMS_PER_SM = 64, 128, 4
+TILE = (64, 128, 4, 8)
+"""(BLOCK_M, BLOCK_N, programs per multiprocessor, num_warps) of the amax kernel.
+benchmarks/bench_cast.py times others."""
 
 _STATE: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @functools.cache
-def _max_programs(device: int) -> int:
-    return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+def _multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _state(device: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,19 +91,24 @@ def _state(device: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def amax_2d(
-    hp: torch.Tensor, out: torch.Tensor | None = None, *, traced: bool = False
+    hp: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    traced: bool = False,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """max |hp| in fp32 (0-d) for a 2-D CUDA tensor, written into `out` (0-d fp32) if given.
     `traced`: the body of a triton op that torch.compile traces; the running maximum and the
-    counter are fresh zeros, no state kept between calls."""
+    counter are fresh zeros, no state kept between calls. `tile`: instead of TILE."""
     m, n = hp.shape
     if out is None:
         out = torch.empty((), dtype=torch.float32, device=hp.device)
     if hp.numel() == 0:
         return out.zero_()
     device = hp.device.index if traced else torch.cuda.current_device()
-    tiles_n = cdiv(n, _BLOCK_N)
-    tiles = cdiv(m, _BLOCK_M) * tiles_n
+    block_m, block_n, programs_per_sm, num_warps = tile or TILE
+    tiles_n = cdiv(n, block_n)
+    tiles = cdiv(m, block_m) * tiles_n
     if traced:
         # Fresh zeros, each its own tensor: functionalization copies a kernel's mutated
         # arguments one by one, so one tensor passed as two of them could come back as two.
@@ -110,8 +117,8 @@ def amax_2d(
     else:
         running, count = _state(device)
     (traced_launch if traced else launch)(
-        _amax_kernel, (min(tiles, _max_programs(device)),),
+        _amax_kernel, (min(tiles, programs_per_sm * _multiprocessors(device)),),
         hp, out, running, count, m, n, hp.stride(0), hp.stride(1), tiles_n, tiles,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=8,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -106,7 +106,9 @@ if HAS_TRITON:
             tl.store(col_ptr + rows64 + cols64 * M, fp8, mask=mask)
 
 
-_BLOCK_M, _BLOCK_N = 32, 128
+TILE = (32, 128, 4)
+"""(BLOCK_M, BLOCK_N, num_warps) of the cast kernel: each program casts a BLOCK_M x BLOCK_N
+tile. benchmarks/bench_cast.py times others."""
 
 
 def cast_2d(
@@ -122,6 +124,7 @@ def cast_2d(
     scale_out: torch.Tensor | None = None,
     inverse_out: torch.Tensor | None = None,
     traced: bool = False,
+    tile: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The float8 bytes of `saturate(hp * scale)` for a 2-D CUDA tensor `hp`, in the layouts
     asked for: (scale, row-major data or None, column-major data or None).
@@ -131,6 +134,7 @@ def cast_2d(
     buffer that is raised to max |hp| in place. `inverse_out`: a 0-d fp32 tensor that receives
     1 / scale (the gemm's fp8 -> hp scale, as `reciprocal` computes it) for a tensorwise cast.
     `traced`: the body of a triton op that torch.compile traces (launched through wrap_triton).
+    `tile`: (BLOCK_M, BLOCK_N, num_warps) instead of TILE.
     """
     m, n = hp.shape
     if not (row_major or column_major):
@@ -143,10 +147,10 @@ def cast_2d(
         scale, row, _ = cast_2d(
             hp, scale, float8_dtype, scale_from_amax=scale_from_amax,
             round_to_power_of_2=round_to_power_of_2, record_amax=record_amax,
-            scale_out=scale_out, inverse_out=inverse_out, traced=traced,
+            scale_out=scale_out, inverse_out=inverse_out, traced=traced, tile=tile,
         )  # fmt: skip
         _, _, col = cast_2d(
-            hp, scale, float8_dtype, row_major=False, column_major=True, traced=traced
+            hp, scale, float8_dtype, row_major=False, column_major=True, traced=traced, tile=tile
         )
         return scale, row, col
     if inverse_out is not None and not scale_from_amax and scale.numel() != 1:
@@ -164,8 +168,9 @@ def cast_2d(
         return (scale_out if scale_from_amax else scale), row, col
     scale_strides = (0, 0) if scale_from_amax else scale.expand(m, n).stride()
     any_out = row if row is not None else col
+    block_m, block_n, num_warps = tile or TILE
     (traced_launch if traced else launch)(
-        _cast_kernel, (cdiv(m, _BLOCK_M), cdiv(n, _BLOCK_N)),
+        _cast_kernel, (cdiv(m, block_m), cdiv(n, block_n)),
         hp,
         scale,
         any_out if row is None else row,
@@ -182,9 +187,9 @@ def cast_2d(
         WRITE_ROW=row is not None,
         WRITE_COL=col is not None,
         RECORD_AMAX=record_amax is not None,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_N=_BLOCK_N,
-        num_warps=4,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )  # fmt: skip
     return (scale_out if scale_from_amax else scale), row, col
 

@@ -1,0 +1,174 @@
+"""The casts alone: a dynamic tensorwise cast of one activation (amax, scale, float8 bytes in
+both layouts the gemms need), against the memory-bandwidth floor of a device copy.
+
+    python -m benchmarks.bench_cast [--shape M N ...] [--tiles] [--csv out.csv]
+
+The tensors are the large operands of bench_linear's LLaMA-70B shapes: each input (M, K) and
+grad_output (M, N), bf16. A cast in both layouts must move 6 bytes an element at least: the
+amax reads the tensor (2), the cast reads it again (2) and writes each layout (1 + 1). Each
+row is checked against the torch path, byte for byte, before it is timed.
+
+Rows:
+- copy: `dst.copy_(hp)`, 4 bytes an element, the ceiling every other row is a share of;
+- eager kernels: what eager Float8Linear runs (the amax kernel, then one cast kernel writing
+  both layouts); `amax kernel` and `cast kernel` time the two apart;
+- compiled inductor: `torch.compile` of the torch path (what compiled layers run by default);
+- compiled cast-kernels: `torch.compile` with the casts as fp8train's triton ops
+  (Float8LinearConfig(compiled_cast_kernels=True));
+- with --tiles: the amax and cast kernels over other tile shapes (fp8train.kernels TILE).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import fp8train.kernels.amax as amax_kernel
+import fp8train.kernels.cast as cast_kernel
+from benchmarks.bench_linear import LLAMA_70B_SHAPES
+from benchmarks.utils import markdown_table, median_time_s, print_environment, write_csv
+from fp8train.cast import _saturated_cast, cast_layouts
+from fp8train.config import E4M3, ScalingGranularity
+from fp8train.kernels import amax_2d, cast_2d
+from fp8train.scaling import amax, amax_to_scale
+
+TENSORWISE = ScalingGranularity.TENSORWISE
+# (BLOCK_M, BLOCK_N, num_warps) of the cast kernel; (BLOCK_M, BLOCK_N, programs per SM,
+# num_warps) of the amax kernel.
+CAST_TILES = [
+    (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8),
+    (128, 32, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8),
+]  # fmt: skip
+AMAX_TILES = [(64, 128, 4, 8), (32, 256, 4, 8), (64, 256, 2, 8), (128, 128, 2, 8), (64, 128, 8, 4)]
+
+
+def default_tensors() -> dict[str, tuple[int, int]]:
+    tensors = {}
+    for name, (m, k, n) in LLAMA_70B_SHAPES.items():
+        tensors.setdefault((m, k), f"{name} input")
+        tensors.setdefault((m, n), f"{name} grad_output")
+    return {label: shape for shape, label in tensors.items()}
+
+
+def reference(hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = amax_to_scale(amax(hp, TENSORWISE, None), E4M3)
+    return scale, _saturated_cast(hp, scale, E4M3)
+
+
+def compiled_cast(kernels: bool):  # noqa: ANN201
+    def cast(hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        row, col = cast_layouts(hp, E4M3, TENSORWISE, (False, True), compiled_kernels=kernels)
+        return row._scale, row._data, col._data
+
+    return torch.compile(cast, fullgraph=True)
+
+
+def check(name: str, out: tuple, want_scale: torch.Tensor, want: torch.Tensor) -> bool:
+    """True if `out` = (scale, row-major or None, column-major or None) is the torch path's."""
+    scale, row, col = out
+    ok = torch.equal(scale, want_scale)
+    for data, column_major in ((row, False), (col, True)):
+        if data is None:
+            continue
+        ok &= (data.t() if column_major else data).is_contiguous()
+        ok &= torch.equal(data.view(torch.uint8), want.view(torch.uint8))
+    if not ok:
+        print(f"!! {name}: bytes or scale differ from the torch path")
+    return bool(ok)
+
+
+def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
+    torch.manual_seed(0)
+    hp = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3
+    want_scale, want = reference(hp)
+    dst = torch.empty_like(hp)
+    hp_amax = amax(hp, TENSORWISE, None)
+    rows: list[dict] = []
+
+    def row(variant: str, fn, bytes_per_element: int, ok: bool | None) -> None:  # noqa: ANN001
+        seconds = median_time_s(fn, "cuda")
+        rows.append(
+            {
+                "tensor": label,
+                "shape": f"({m}, {n})",
+                "variant": variant,
+                "time_us": seconds * 1e6,
+                "bytes_per_element": bytes_per_element,
+                "GBps": bytes_per_element * m * n / seconds / 1e9,
+                "bitwise_ok": ok,
+            }
+        )
+
+    def eager(amax_tile=None, cast_tile=None, row_major=True, column_major=True):  # noqa: ANN001, ANN202
+        def run() -> tuple:
+            found = amax_2d(hp, tile=amax_tile)
+            return cast_2d(
+                hp, found, E4M3, row_major=row_major, column_major=column_major,
+                scale_from_amax=True, tile=cast_tile,
+            )  # fmt: skip
+
+        return run
+
+    def cast_only(tile=None):  # noqa: ANN001, ANN202
+        return lambda: cast_2d(
+            hp, hp_amax, E4M3, column_major=True, scale_from_amax=True, tile=tile
+        )
+
+    row("copy", lambda: dst.copy_(hp), 4, None)
+    run = eager()
+    row("eager kernels, both layouts", run, 6, check("eager", run(), want_scale, want))
+    run = eager(column_major=False)
+    row("eager kernels, row-major only", run, 5, check("eager row", run(), want_scale, want))
+    row("amax kernel", lambda: amax_2d(hp), 2, torch.equal(amax_2d(hp), hp_amax))
+    run = cast_only()
+    row("cast kernel, both layouts", run, 4, check("cast", run(), want_scale, want))
+    for kernels in (False, True):
+        run = compiled_cast(kernels)
+        out = run(hp)
+        name = "compiled " + ("cast-kernels" if kernels else "inductor")
+        row(name, lambda run=run: run(hp), 6, check(name, out, want_scale, want))
+    if tiles:
+        for tile in AMAX_TILES:
+            if tile == amax_kernel.TILE:
+                continue
+            row(f"amax kernel {tile}", lambda t=tile: amax_2d(hp, tile=t), 2,
+                torch.equal(amax_2d(hp, tile=tile), hp_amax))  # fmt: skip
+        for tile in CAST_TILES:
+            if tile == cast_kernel.TILE:
+                continue
+            run = cast_only(tile)
+            name = f"cast kernel {tile}"
+            row(name, run, 4, check(name, run(), want_scale, want))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "N"))
+    parser.add_argument("--tiles", action="store_true", help="time other tile shapes too")
+    parser.add_argument("--csv")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_cast times the CUDA kernels: it needs a GPU")
+    tensors = (
+        {f"custom{i}": tuple(s) for i, s in enumerate(args.shape)}
+        if args.shape
+        else default_tensors()
+    )
+    print_environment()
+    print(f"- cast kernel TILE {cast_kernel.TILE}, amax kernel TILE {amax_kernel.TILE}\n")
+    rows = []
+    for label, (m, n) in tensors.items():
+        found = bench_tensor(label, m, n, args.tiles)
+        copy_gbps = found[0]["GBps"]
+        for r in found:
+            r["pct_of_copy"] = 100 * r["GBps"] / copy_gbps
+        rows += found
+        print(markdown_table(found), "\n", flush=True)
+    if args.csv:
+        write_csv(rows, args.csv)
+
+
+if __name__ == "__main__":
+    main()
