@@ -26,6 +26,7 @@ import statistics
 import torch
 from torch import nn
 
+import fp8train.kernels.cast
 from benchmarks.utils import (
     fp8_peak_tflops,
     markdown_table,
@@ -223,6 +224,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(Float8LinearConfig(compiled_cast_kernels=True); tensorwise recipes)",
     )
     parser.add_argument(
+        "--cast-tile",
+        nargs=3,
+        type=int,
+        metavar=("BLOCK_M", "BLOCK_N", "WARPS"),
+        help="the cast kernel's tile for this run (fp8train.kernels.cast.TILE; "
+        "python -m benchmarks.bench_cast --tiles times them)",
+    )
+    parser.add_argument(
         "--fp8-peak-tflops",
         type=float,
         default=None,
@@ -247,7 +256,10 @@ def main(args: argparse.Namespace) -> None:
     compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     recompute = {"on": [True], "off": [False], "both": [True, False]}[args.recompute]
 
+    if args.cast_tile:
+        fp8train.kernels.cast.TILE = tuple(args.cast_tile)
     print_environment()
+    print(f"- cast kernel tile: {fp8train.kernels.cast.TILE}")
     print(f"- torchao.float8: {'importable' if torchao_float8 else 'not importable'}\n")
     names = [r.value for r in Float8LinearRecipeName] if "all" in args.recipes else args.recipes
     recipes = [(recipe, "dynamic") for recipe in names if "dynamic" in args.scaling]
