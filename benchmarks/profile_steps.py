@@ -40,10 +40,19 @@ def top(fn, n=14, steps=3):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / 20 * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    # Kernel time summed against the wall time of a step: where the kernels fill much less
+    # than the step, the GPU waits for the host (launches, Python, guards).
+    kernel_ms = sum(e.self_device_time_total for e in p.key_averages()) / steps / 1e3
+    print(f"wall {wall_ms:.3f} ms per step, kernels {kernel_ms:.3f} ms per step")
     try:
         print(
             p.key_averages().table(
