@@ -291,7 +291,8 @@ class Float8LinearConfig:
     cast on the torch path either way. Eager mode always uses the kernels on CUDA; on the CPU
     the ops trace into the torch path. See benchmarks/results/compiled_cast_kernels_*.md and
     casts_h100_2026-12-05.md: faster on GPU-bound layers; slower on thin ones, where each
-    cast's extra launches (fills of its 0-d outputs) keep the GPU waiting for the host."""
+    cast's extra launches (fills of its 0-d outputs) keep the GPU waiting for the host; slower
+    and heavier in a whole compiled LLaMA-style model (e2e_h100_2026-12-05.md)."""
 
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
