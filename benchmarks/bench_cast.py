@@ -13,6 +13,7 @@ Rows:
 - eager kernels: what eager Float8Linear runs (the amax kernel, then one cast kernel writing
   both layouts); `amax kernel` and `cast kernel` time the two apart;
 - compiled inductor: `torch.compile` of the torch path (what compiled layers run by default);
+  `amax per row first`: the same with the amax reduced per row, then over the rows;
 - compiled cast-kernels: `torch.compile` with the casts as fp8train's triton ops
   (Float8LinearConfig(compiled_cast_kernels=True));
 - with --tiles: the amax and cast kernels over other tile shapes (fp8train.kernels TILE).
@@ -64,6 +65,20 @@ def compiled_cast(kernels: bool):  # noqa: ANN201
     # Static shapes, as a compiled layer has them: after a second shape dynamo would
     # otherwise compile a dynamic kernel, which inductor splits in two (the cast, then a
     # transposed copy of its float8 bytes).
+    return torch.compile(cast, fullgraph=True, dynamic=False)
+
+
+def compiled_row_amax_cast():  # noqa: ANN201
+    """The torch path's cast with its amax taken per row first, then over the rows: the same
+    value (a maximum is exact in any order), as a reduction shape inductor may read faster than
+    one reduction of the whole tensor to a scalar."""
+
+    def cast(hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hp_amax = torch.linalg.vector_norm(hp, float("inf"), dim=1, dtype=torch.float32).amax()
+        scale = amax_to_scale(hp_amax, E4M3)
+        data = _saturated_cast(hp, scale, E4M3)
+        return scale, data, data.t().contiguous().t()
+
     return torch.compile(cast, fullgraph=True, dynamic=False)
 
 
@@ -131,6 +146,9 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
         out = run(hp)
         name = "compiled " + ("cast-kernels" if kernels else "inductor")
         row(name, lambda run=run: run(hp), 6, check(name, out, want_scale, want))
+    run = compiled_row_amax_cast()
+    name = "compiled inductor, amax per row first"
+    row(name, lambda: run(hp), 6, check(name, run(hp), want_scale, want))
     if tiles:
         for tile in AMAX_TILES:
             if tile == amax_kernel.TILE:

@@ -7,6 +7,10 @@ times with dynamo's counters (frames, graph breaks).
     SHAPES=attn.wqkv,ffn.w13 MODES=compiled KERNELS=1 python -m benchmarks.profile_steps layer
                                                  # other shapes, compiled only, and fp8train
                                                  # with compiled_cast_kernels too
+    python -m benchmarks.profile_steps blocks    # the end-to-end model's compiled blocks (2 of
+                                                 # them; DIM, LAYERS, FFN): peak memory and
+                                                 # kernel launches by kind, bf16, tensorwise,
+                                                 # tensorwise with compiled_cast_kernels
     python -m benchmarks.profile_steps demo      # the demo's CUDA model (8 layers, dim 1024),
                                                  # bf16 and float8, eager and compiled
     ONLY=1 python -m benchmarks.profile_steps demo   # float8 compiled only
@@ -90,6 +94,64 @@ def layer_part():
                 top(lambda: f(x).backward(g))
 
 
+def blocks_part():
+    """The end-to-end model's blocks compiled one by one (as examples/train_llama.py does),
+    per config: peak memory, step time, and how many kernels of each kind a step launches.
+    A cast that the layers reading one input (q/k/v, gate/up) share shows as fewer cast
+    kernels than float8 layers."""
+    dim, layers = int(os.environ.get("DIM", "4096")), int(os.environ.get("LAYERS", "2"))
+    a = ModelArgs(
+        dim=dim, n_layers=layers, n_heads=dim // 128, ffn_dim=int(os.environ.get("FFN", "14336")),
+        max_seq_len=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = Transformer(a).to("cuda", torch.bfloat16)
+    tokens = torch.randint(0, 256, (2, 4096), device="cuda")
+    configs = {
+        "bf16": None,
+        "tensorwise": Float8LinearConfig(),
+        "tensorwise cast-kernels": Float8LinearConfig(compiled_cast_kernels=True),
+    }
+    for name, config in configs.items():
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if config is not None:
+            convert_to_float8_training(
+                model, config=config, module_filter_fn=lambda m, fqn: fqn != "lm_head"
+            )
+        for block in model.layers:
+            block.compile(fullgraph=True)
+
+        def step():
+            loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+            loss.backward()
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            step()
+            torch.cuda.synchronize()
+        kinds: dict[str, int] = {}
+        for event in p.key_averages():
+            if event.self_device_time_total <= 0:
+                continue
+            kind = (
+                "fp8train cast" if "_cast_kernel" in event.key
+                else "fp8train amax" if "_amax_kernel" in event.key
+                else "inductor reduction" if event.key.startswith(("triton_red", "triton_per"))
+                else "inductor pointwise" if event.key.startswith("triton_poi")
+                else "other (gemms, attention, copies)"
+            )  # fmt: skip
+            kinds[kind] = kinds.get(kind, 0) + event.count
+        print(f"\n##### blocks {name}: peak {peak:.2f} GiB, launches per step {kinds}")
+        top(step, n=12, steps=1)
+
+
 def demo_part():
     a = ModelArgs(dim=1024, n_layers=8, ffn_dim=llama_ffn_dim(1024), n_heads=16, max_seq_len=1024)
     torch.manual_seed(0)
@@ -138,9 +200,9 @@ def demo_part():
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["layer", "demo"]
+    parts = sys.argv[1:] or ["layer", "demo"]  # blocks only when asked for
     for part in parts:
         try:
-            {"layer": layer_part, "demo": demo_part}[part]()
+            {"layer": layer_part, "demo": demo_part, "blocks": blocks_part}[part]()
         except Exception:
             traceback.print_exc()
