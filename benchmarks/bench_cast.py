@@ -2,6 +2,7 @@
 both layouts the gemms need), against the memory-bandwidth floor of a device copy.
 
     python -m benchmarks.bench_cast [--shape M N ...] [--tiles] [--csv out.csv]
+    python -m fp8train bench-cast ...                  (the same, from a checkout)
 
 The tensors are the large operands of bench_linear's LLaMA-70B shapes: each input (M, K) and
 grad_output (M, N), bf16. A cast in both layouts must move 6 bytes an element at least: the
@@ -164,14 +165,15 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "N"))
     parser.add_argument("--tiles", action="store_true", help="time other tile shapes too")
     parser.add_argument("--csv")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
-        raise SystemExit("bench_cast times the CUDA kernels: it needs a GPU")
+        raise SystemExit("bench_cast times the CUDA kernels: run it on a GPU")
     tensors = (
         {f"custom{i}": tuple(s) for i, s in enumerate(args.shape)}
         if args.shape
@@ -216,4 +218,6 @@ def fastest_tile(rows: list[dict], kind: str, default: tuple) -> tuple[tuple, fl
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 BENCHMARKS = {
     "memory": "peak memory of fwd+bwd: bf16 against float8 under each save policy",
     "linear": "fwd+bwd time of one layer, nn.Linear against Float8Linear (and torchao.float8)",
+    "cast": "the casts alone, eager and compiled, against a device copy's bandwidth",
 }
 
 

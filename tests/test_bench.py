@@ -20,6 +20,27 @@ def test_bench_memory_without_a_gpu_says_so():
         main(["bench-memory", "--cases", "linear-4096"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the command runs the benchmark")
+def test_bench_cast_without_a_gpu_says_so():
+    with pytest.raises(SystemExit, match="run it on a GPU"):
+        main(["bench-cast", "--shape", "64", "64"])
+
+
+def test_fastest_tile_skips_tiles_that_failed_the_byte_check():
+    from benchmarks.bench_cast import fastest_tile
+
+    rows = [
+        {"variant": "cast kernel, both layouts", "time_us": 10.0, "bitwise_ok": True},
+        {"variant": "cast kernel (64, 128, 4)", "time_us": 8.0, "bitwise_ok": True},
+        {"variant": "cast kernel (64, 128, 4)", "time_us": 3.0, "bitwise_ok": True},
+        {"variant": "cast kernel (128, 64, 4)", "time_us": 5.0, "bitwise_ok": False},
+        {"variant": "amax kernel", "time_us": 3.0, "bitwise_ok": True},
+        {"variant": "amax kernel (32, 256, 4, 8)", "time_us": 4.0, "bitwise_ok": True},
+    ]
+    assert fastest_tile(rows, "cast", (32, 128, 4)) == ((32, 128, 4), 10e-6)
+    assert fastest_tile(rows, "amax", (64, 128, 4, 8)) == ((64, 128, 4, 8), 3e-6)
+
+
 def test_bench_linear_runs_a_tiny_shape_on_the_cpu(capsys):
     main(["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "off"])
     out = capsys.readouterr().out
