@@ -30,7 +30,7 @@ import fp8train.kernels.amax as amax_kernel
 import fp8train.kernels.cast as cast_kernel
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
 from benchmarks.utils import markdown_table, median_time_s, print_environment, write_csv
-from fp8train.cast import _saturated_cast, cast_layouts
+from fp8train.cast import _column_major, _saturated_cast, cast_layouts
 from fp8train.config import E4M3, ScalingGranularity
 from fp8train.kernels import amax_2d, cast_2d
 from fp8train.scaling import amax, amax_to_scale
@@ -78,7 +78,7 @@ def compiled_row_amax_cast():  # noqa: ANN201
         hp_amax = torch.linalg.vector_norm(hp, float("inf"), dim=1, dtype=torch.float32).amax()
         scale = amax_to_scale(hp_amax, E4M3)
         data = _saturated_cast(hp, scale, E4M3)
-        return scale, data, data.t().contiguous().t()
+        return scale, data, _column_major(data)
 
     return torch.compile(cast, fullgraph=True, dynamic=False)
 
@@ -105,7 +105,8 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
     hp_amax = amax(hp, TENSORWISE, None)
     rows: list[dict] = []
 
-    def row(variant: str, fn, bytes_per_element: int, ok: bool | None) -> None:  # noqa: ANN001
+    def row(variant: str, fn, bytes_per_element: int, ok: bool | None, tile=None) -> None:  # noqa: ANN001
+        """`tile`: (kernel, tile) of a row that times one kernel alone, for fastest_tile."""
         seconds = median_time_s(fn, "cuda")
         rows.append(
             {
@@ -116,6 +117,7 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
                 "bytes_per_element": bytes_per_element,
                 "GBps": bytes_per_element * m * n / seconds / 1e9,
                 "bitwise_ok": ok,
+                "tile": tile,
             }
         )
 
@@ -139,9 +141,11 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
     row("eager kernels, both layouts", run, 6, check("eager", run(), want_scale, want))
     run = eager(column_major=False)
     row("eager kernels, row-major only", run, 5, check("eager row", run(), want_scale, want))
-    row("amax kernel", lambda: amax_2d(hp), 2, torch.equal(amax_2d(hp), hp_amax))
+    row("amax kernel", lambda: amax_2d(hp), 2, torch.equal(amax_2d(hp), hp_amax),
+        ("amax", amax_kernel.TILE))  # fmt: skip
     run = cast_only()
-    row("cast kernel, both layouts", run, 4, check("cast", run(), want_scale, want))
+    row("cast kernel, both layouts", run, 4, check("cast", run(), want_scale, want),
+        ("cast", cast_kernel.TILE))  # fmt: skip
     for kernels in (False, True):
         run = compiled_cast(kernels)
         out = run(hp)
@@ -155,13 +159,13 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
             if tile == amax_kernel.TILE:
                 continue
             row(f"amax kernel {tile}", lambda t=tile: amax_2d(hp, tile=t), 2,
-                torch.equal(amax_2d(hp, tile=tile), hp_amax))  # fmt: skip
+                torch.equal(amax_2d(hp, tile=tile), hp_amax), ("amax", tile))  # fmt: skip
         for tile in CAST_TILES:
             if tile == cast_kernel.TILE:
                 continue
             run = cast_only(tile)
             name = f"cast kernel {tile}"
-            row(name, run, 4, check(name, run(), want_scale, want))
+            row(name, run, 4, check(name, run(), want_scale, want), ("cast", tile))
     return rows
 
 
@@ -193,24 +197,20 @@ def main(args: argparse.Namespace) -> None:
         write_csv(rows, args.csv)
     if args.tiles:
         for kind, default in (("cast", cast_kernel.TILE), ("amax", amax_kernel.TILE)):
-            tile, seconds = fastest_tile(rows, kind, default)
+            tile, seconds = fastest_tile(rows, kind)
             print(f"fastest {kind} tile over these tensors: {' '.join(map(str, tile))} "
                   f"({seconds * 1e6:.0f} us in all; the default {default})")  # fmt: skip
 
 
-def fastest_tile(rows: list[dict], kind: str, default: tuple) -> tuple[tuple, float]:
+def fastest_tile(rows: list[dict], kind: str) -> tuple[tuple, float]:
     """The tile of `kind` ('cast' or 'amax') whose rows take the least time over every tensor,
     and that time; rows of a tile that failed the byte check do not count."""
     totals: dict[tuple, float] = {}
     failed = set()
     for row in rows:
-        variant = row["variant"]
-        if variant in (f"{kind} kernel", f"{kind} kernel, both layouts"):
-            tile = default
-        elif variant.startswith(f"{kind} kernel ("):
-            tile = tuple(int(v) for v in variant.split("(")[1].rstrip(")").split(", "))
-        else:
+        if row.get("tile") is None or row["tile"][0] != kind:
             continue
+        tile = row["tile"][1]
         totals[tile] = totals.get(tile, 0.0) + row["time_us"] / 1e6
         if row["bitwise_ok"] is False:
             failed.add(tile)
