@@ -12,7 +12,15 @@ import logging
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fp8train.config import BLOCK, CastConfig, Float8LinearConfig, Gemm, Role, ScalingGranularity
+from fp8train.config import (
+    BLOCK,
+    CastConfig,
+    Float8LinearConfig,
+    Gemm,
+    Role,
+    ScalingGranularity,
+    ScalingType,
+)
 from fp8train.kernels import HAS_TRITON, amax_2d, cast_2d
 from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
@@ -103,12 +111,14 @@ def cast_layouts(
     scale: torch.Tensor | None = None,
     record_amax: torch.Tensor | None = None,
     compiled_kernels: bool = False,
+    own_scale: bool = False,
 ) -> list[Float8Tensor]:
     """One cast of `hp` (one scale), as one Float8Tensor per entry of `layouts` (True:
     column-major). `scale`: given (delayed, static) instead of found from the amax;
     `record_amax`: a 0-d fp32 buffer raised to max |hp| (delayed scaling's next amax), in
     the cast's own pass where the kernel runs. `compiled_kernels`: a tensorwise cast traced
-    by torch.compile becomes fp8train's triton ops (uses_cast_kernels)."""
+    by torch.compile becomes fp8train's triton ops (uses_cast_kernels). `own_scale`: the
+    given `scale` was found from this `hp`'s amax (see cast_for_gemms)."""
     if (
         compiled_kernels
         and granularity is ScalingGranularity.TENSORWISE
@@ -155,7 +165,8 @@ def cast_layouts(
         with torch.no_grad():
             raise_amax(record_amax, hp)
     # A given scale (delayed, static) may not have seen an inf of hp: the cast makes it NaN.
-    given_scale = scale is not None
+    # hp's own scale did, and is NaN already.
+    given_scale = scale is not None and not own_scale
     if scale is None:
         scale = amax_to_scale(
             amax(hp, granularity, reduce_dim, block),
@@ -373,9 +384,13 @@ def cast_for_gemms(
     config: Float8LinearConfig,
     scale: torch.Tensor | None = None,
     record_amax: torch.Tensor | None = None,
+    *,
+    own_scale: bool = False,
 ) -> list[torch.Tensor]:
     """One cast of `hp` for several gemms that share it (the same `cast_key`), each in the
-    layout its gemm needs: on CUDA the kernel writes every layout from one read of `hp`."""
+    layout its gemm needs: on CUDA the kernel writes every layout from one read of `hp`.
+    `own_scale`: the given `scale` is `dynamic_scale` of this `hp` (a dynamic cast whose amax
+    pass ran apart), not a delayed or static one."""
     if isinstance(hp, Float8Tensor):
         # Cast already, before a float8 all-gather (Float8RowwiseParallel's grad_output),
         # with the tensorwise dynamic cast that style requires.
@@ -397,6 +412,29 @@ def cast_for_gemms(
         scale=scale,
         record_amax=record_amax,
         compiled_kernels=uses_cast_kernels(config, role),
+        own_scale=own_scale,
+    )
+
+
+def dynamic_scale(
+    hp: torch.Tensor, role: Role, gemm: Gemm, config: Float8LinearConfig
+) -> torch.Tensor | None:
+    """The scale a dynamic cast of `hp` for `gemm` finds from its amax, the same value
+    cast_for_gemm would find; None where that cast is not dynamic or not made at all. For
+    casts whose amax pass must run apart from the cast itself (fp8train.policy)."""
+    cast = config.cast_config(role, gemm)
+    if not cast.enabled or cast.scaling_type is not ScalingType.DYNAMIC:
+        return None
+    granularity = cast.scaling_granularity
+    return amax_to_scale(
+        amax(
+            hp,
+            granularity,
+            _INNER_DIM[(role, gemm)] if granularity is ScalingGranularity.ROWWISE else None,
+            block_shape(role, gemm) if granularity is ScalingGranularity.BLOCKWISE else None,
+        ),
+        cast.target_dtype,
+        round_to_power_of_2=config.round_scales_to_power_of_2,
     )
 
 

@@ -55,6 +55,7 @@ from fp8train.cast import (
     _column_major,
     cast_for_gemms,
     cast_key,
+    dynamic_scale,
     uses_cast_kernels,
     with_layout,
 )
@@ -321,6 +322,14 @@ def _tagged_casts(
         # the cast, which uses an earlier step's scale.
         with torch.no_grad():
             raise_amax(record_amax, hp)
+    own_scale = False
+    if not keep and scale is None and not _cast_ops_traced(config, role):
+        # A recast in backward needs the amax of the same hp tensor that forward found:
+        # found here, outside the region, the partitioner keeps the scale (a reduction's
+        # small result) and backward's recast is one pass over hp instead of two.
+        with torch.no_grad():
+            scale = dynamic_scale(hp, role, gemms[0], config)
+        own_scale = scale is not None
     # The region returns plain tensors: a subclass output of a checkpoint region is not traced.
     *data, scale = checkpoint(
         _cast_to_tensors,
@@ -329,6 +338,7 @@ def _tagged_casts(
         gemms,
         config,
         scale,
+        own_scale,
         use_reentrant=False,
         context_fn=functools.partial(create_selective_checkpoint_contexts, _SAVE_POLICIES[keep]),
     )
@@ -341,10 +351,11 @@ def _cast_to_tensors(
     gemms: tuple[Gemm, ...],
     config: Float8LinearConfig,
     scale: torch.Tensor | None,
+    own_scale: bool,
 ) -> tuple[torch.Tensor, ...]:
     # No autograd graph for the cast: gradients reach hp through the matmul's own backward.
     with torch.no_grad():
-        casts = cast_for_gemms(hp, role, gemms, config, scale)
+        casts = cast_for_gemms(hp, role, gemms, config, scale, own_scale=own_scale)
     return (*(fp8._data for fp8 in casts), casts[0]._scale)
 
 

@@ -306,11 +306,42 @@ class _Projections(torch.nn.Module):
 def test_compiled_layers_reading_one_input_keep_one_float8_copy(recompute_input_cast):
     """The partitioner's CSE merges the three identical casts of the shared input (it compares
     op arguments with ==, so the casts must hold no NaN constant): backward gets one float8
-    copy of it and one scale, not three."""
+    copy of it and one scale, not three (and one scale per weight, for its recast)."""
     module = _Projections(Float8LinearConfig(recompute_input_cast=recompute_input_cast))
     graph = backward_inputs(module, torch.randn(M, K, requires_grad=True))
     assert [entry for entry in graph if entry[0] == E4M3] == [(E4M3, (M, K))]
-    assert graph.count((torch.float32, ())) == 1
+    assert graph.count((torch.float32, ())) == 1 + 3
+
+
+def amax_reductions(fn, *inputs) -> int:  # noqa: ANN001
+    """How many amax reductions the compiled forward and backward of `fn(*inputs)` run."""
+    torch._dynamo.reset()
+    found = []
+
+    def record(gm, _):  # noqa: ANN001, ANN202
+        amaxes = (torch.ops.aten.linalg_vector_norm.default, torch.ops.aten.amax.default)
+        found.append(sum(node.target in amaxes for node in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition
+    )
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs).sum().backward()
+    return sum(found)
+
+
+@pytest.mark.parametrize(("granularity", "casts"), [("tensorwise", 3), ("rowwise", 6)])
+@pytest.mark.parametrize("recompute_input_cast", [None, True], ids=["default", "keep-hp-input"])
+def test_compiled_recasts_in_backward_reuse_the_forward_amax(
+    granularity, casts, recompute_input_cast
+):
+    """A cast recomputed in backward (the weight's by default, the input's with
+    recompute_input_cast=True) takes the scale that forward found from the same tensor, so
+    each distinct cast finds its amax once (tensorwise: input, weight, grad_output; rowwise:
+    each of them along both dims), and backward's recast is one pass over the hp tensor."""
+    config = all_roles_config(granularity, recompute_input_cast=recompute_input_cast)
+    layer = Float8Linear(K, N, bias=False, config=config)
+    assert amax_reductions(layer, torch.randn(M, K, requires_grad=True)) == casts
 
 
 def test_compiled_rowwise_default_keeps_the_float8_input_and_recasts_the_weight():

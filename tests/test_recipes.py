@@ -108,8 +108,16 @@ def test_blockwise_compiled_backward_keeps_the_float8_input():
 
     layer = Float8Linear(K, N, bias=False, config=Float8LinearConfig.from_recipe_name("blockwise"))
     graph = backward_inputs(layer, torch.randn(M, K, requires_grad=True))
+    # The float8 input and its 128 x 1 block scales; the hp weight, recast in backward with
+    # the 128 x 128 block scales forward found.
     assert sorted(graph, key=str) == sorted(
-        [(E4M3, (M, K)), (torch.float32, (M // 128, K)), (torch.float32, (N, K))], key=str
+        [
+            (E4M3, (M, K)),
+            (torch.float32, (M // 128, K)),
+            (torch.float32, (N, K)),
+            (torch.float32, (N // 128, K // 128)),
+        ],
+        key=str,
     )
 
 
