@@ -11,6 +11,9 @@ times with dynamo's counters (frames, graph breaks).
                                                  # them; DIM, LAYERS, FFN): peak memory and
                                                  # kernel launches by kind, bf16, tensorwise,
                                                  # tensorwise with compiled_cast_kernels
+    python -m benchmarks.profile_steps peak      # the end-to-end model's training step: what
+                                                 # is allocated at its peak, by line and phase
+                                                 # (CONFIGS=bf16,tensorwise, LAYERS=6)
     python -m benchmarks.profile_steps demo      # the demo's CUDA model (8 layers, dim 1024),
                                                  # bf16 and float8, eager and compiled
     ONLY=1 python -m benchmarks.profile_steps demo   # float8 compiled only
@@ -111,6 +114,7 @@ def blocks_part():
         "bf16": None,
         "tensorwise": Float8LinearConfig(),
         "tensorwise cast-kernels": Float8LinearConfig(compiled_cast_kernels=True),
+        "tensorwise keep-hp-input": Float8LinearConfig(recompute_input_cast=True),
     }
     for name, config in configs.items():
         torch._dynamo.reset()
@@ -150,6 +154,96 @@ def blocks_part():
             kinds[kind] = kinds.get(kind, 0) + event.count
         print(f"\n##### blocks {name}: peak {peak:.2f} GiB, launches per step {kinds}")
         top(step, n=12, steps=1)
+
+
+def _phase(frames: list[dict]) -> str:
+    names = {(f["name"], os.path.basename(f["filename"])) for f in frames}
+    if any(name == "step" and "optim" in f["filename"] for f in frames for name in [f["name"]]):
+        return "optimizer"
+    if any("clip_grad" in f["filename"] for f in frames):
+        return "clip"
+    if any("backward" in name or file == "graph.py" for name, file in names):
+        return "backward"
+    return "forward"
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation was made: its innermost Python frame, with that line's code (the
+    compiled graphs' buffers show as the line of inductor's output code that makes them)."""
+    import linecache
+
+    for f in frames:
+        if f["filename"].endswith(".py") and "/torch/cuda/" not in f["filename"]:
+            code = linecache.getline(f["filename"], f["line"]).strip()[:90]
+            return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}: {code}"
+    return "(no Python frame)"
+
+
+def peak_part():
+    """What is allocated at the peak of a training step of the end-to-end model (LAYERS
+    blocks, compiled, fused AdamW, as examples/train_llama.py trains it), per config
+    (CONFIGS, default bf16,tensorwise): the allocations live at the peak, grouped by the line
+    that made them, and the step phase (forward, backward, optimizer) of each."""
+    layers = int(os.environ.get("LAYERS", "6"))
+    a = ModelArgs(dim=4096, n_layers=layers, n_heads=32, ffn_dim=14336, max_seq_len=4096)
+    torch.manual_seed(0)
+    base = Transformer(a)
+    tokens = torch.randint(0, 256, (2, 4096), device="cuda")
+    for name in os.environ.get("CONFIGS", "bf16,tensorwise").split(","):
+        _peak(name, base, tokens)
+
+
+def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> None:
+    from examples.train_llama import convert
+
+    torch._dynamo.reset()
+    model = convert(copy.deepcopy(base).to("cuda", torch.bfloat16), name)
+    for block in model.layers:
+        block.compile(fullgraph=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+    step()
+    torch.cuda.synchronize()
+    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, dict] = {}
+    total = best = 0
+    at_peak: list[dict] = []
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > best:
+                best, at_peak = total, list(live.values())
+        elif event["action"] in ("free_requested", "free_completed"):
+            gone = live.pop(event["addr"], None)
+            total -= gone["size"] if gone else 0
+    sites: dict[tuple[str, str], list[int]] = {}
+    for event in at_peak:
+        key = (_phase(event["frames"]), _site(event["frames"]))
+        sites.setdefault(key, []).append(event["size"])
+    gib = 2**30
+    print(
+        f"\n##### peak {name}: {torch.cuda.max_memory_allocated() / gib:.2f} GiB = "
+        f"{before / gib:.2f} GiB held before the step (parameters, optimizer state) + "
+        f"{best / gib:.2f} GiB allocated in it; live at the peak, largest first:"
+    )
+    ranked = sorted(sites.items(), key=lambda item: -sum(item[1]))
+    for (phase, site), sizes in ranked[:30]:
+        print(f"{sum(sizes) / 2**20:9.1f} MiB {len(sizes):4d}x {phase:9s} {site}")
 
 
 def demo_part():
@@ -203,6 +297,8 @@ if __name__ == "__main__":
     parts = sys.argv[1:] or ["layer", "demo"]  # blocks only when asked for
     for part in parts:
         try:
-            {"layer": layer_part, "demo": demo_part, "blocks": blocks_part}[part]()
+            {"layer": layer_part, "demo": demo_part, "blocks": blocks_part, "peak": peak_part}[
+                part
+            ]()
         except Exception:
             traceback.print_exc()

@@ -67,6 +67,7 @@ CONFIGS = (
     "tensorwise-delayed",
     "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
+    "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
     "rowwise",
     "rowwise_with_gw_hp",
     "blockwise",
@@ -106,6 +107,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         )
     elif name == "tensorwise-cast-kernels":
         config = Float8LinearConfig(compiled_cast_kernels=True)
+    elif name == "tensorwise-keep-hp-input":
+        config = Float8LinearConfig(recompute_input_cast=True)
     else:
         config = Float8LinearConfig.from_recipe_name(name)
     return convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)

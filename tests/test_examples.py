@@ -29,6 +29,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
         "tensorwise-delayed",
         "tensorwise-delayed-one-pass",
         "tensorwise-cast-kernels",
+        "tensorwise-keep-hp-input",
     ]
     rows = run(tmp_path, "--configs", *configs, "--plot", str(plot))
     assert [r["config"] for r in rows] == configs
