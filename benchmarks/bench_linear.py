@@ -5,6 +5,7 @@ importable, timed in the same run, interleaved), on float8_experimental's LLaMA-
     python -m fp8train bench-linear ...                 (the same, from a checkout)
     python -m benchmarks.bench_linear --shape 8192 4096 4096 --shape ...    (custom M K N)
     python -m benchmarks.bench_linear --sweep                              (a grid of K, N)
+    python -m benchmarks.bench_linear --model e2e       (the layers of a model of this repo)
     python -m benchmarks.bench_linear --device cpu --shape 64 64 64        (a smoke run)
 
 Columns: name, shape, ref_dtype, compiled, recompute_weight_cast, recipe, ref_time_sec,
@@ -13,6 +14,13 @@ guard that the timed code computes the right thing), pct_fp8_peak (the three gem
 FLOPs over fp8_time_sec, as a share of --fp8-peak-tflops), and torchao_time_sec /
 torchao_speedup / vs_torchao / torchao_sqnr_db. With --plot, a PNG of the speedups by shape
 (needs matplotlib).
+
+Every row also says what `fp8train.auto_filter` decides for that layer (its tokens, the row's
+recipe and mode): `auto_filter` True converts it, and `auto_filter_speedup` is the layer's
+speedup with the filter on: fp8_speedup where it converts, 1 (the layer stays in high
+precision) where it does not. `--model` times the layers of a model of this repository at its
+tokens per step, so the slowest row of that column answers "with the auto filter on, is any
+layer of this model slower than in bf16?".
 """
 
 from __future__ import annotations
@@ -40,9 +48,11 @@ from fp8train import (
     Float8Linear,
     Float8LinearConfig,
     Float8LinearRecipeName,
+    auto_filter,
     compute_error,
     sync_float8_amax_and_scale_history,
 )
+from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 try:
     import torchao.float8 as torchao_float8
@@ -55,6 +65,29 @@ LLAMA_70B_SHAPES = {
     "ffn.w13": (16384, 8192, 7168),
     "ffn.w2": (16384, 3584, 8192),
 }
+# Models of this repository, one block's layers and lm_head, at their tokens per step.
+MODELS = {
+    # examples/train_llama.py --preset h200: batch 2 x seq 4096
+    "e2e": (ModelArgs(dim=4096, n_layers=1, n_heads=32, ffn_dim=14336), 2 * 4096),
+    # python -m fp8train demo on CUDA: batch 8 x seq 1024
+    "demo": (ModelArgs(dim=1024, n_layers=1, n_heads=16, ffn_dim=llama_ffn_dim(1024)), 8 * 1024),
+}
+
+
+def model_shapes(args: ModelArgs, tokens: int) -> dict[str, tuple[int, int, int]]:
+    """(M, K, N) of each distinct linear layer of `args`' model, named by the layers that share
+    it (wq/wk/wv/wo)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    names: dict[tuple[int, int], list[str]] = {}
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            names.setdefault((module.in_features, module.out_features), []).append(
+                fqn.rsplit(".", 1)[-1]
+            )
+    return {"/".join(layers): (tokens, k, n) for (k, n), layers in names.items()}
+
+
 ROUNDS = 3
 """Each timing is the median of this many interleaved rounds (ref, ours, torchao, ref, ...)."""
 
@@ -138,6 +171,7 @@ def bench_shape(
     with torch.no_grad():
         want = layers["ref"](x)
         sqnr = {key: compute_error(want, layers[key](x)).item() for key in layers if key != "ref"}
+    converts = auto_filter(m, config=config, compiled=compiled)(ref, name)
     row = {
         "name": name,
         "shape": f"({m}, {k}, {n})",
@@ -149,6 +183,8 @@ def bench_shape(
         "fp8_time_sec": t["fp8"],
         "fp8_speedup": t["ref"] / t["fp8"],
         "fp8_sqnr_db": sqnr["fp8"],
+        "auto_filter": converts,
+        "auto_filter_speedup": t["ref"] / t["fp8"] if converts else 1.0,
     }
     if "torchao" in t:
         row |= {
@@ -197,6 +233,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("M", "K", "N"))
     parser.add_argument("--sweep", action="store_true", help="M=16384, K and N in 1024..8192")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        help="the layers of a model of this repository at its tokens per step: e2e "
+        "(examples/train_llama.py --preset h200), demo (python -m fp8train demo on CUDA)",
+    )
     parser.add_argument("--ref-dtypes", nargs="+", default=None, choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--compile", choices=["off", "on", "both"], default="both")
     parser.add_argument("--recompute", choices=["on", "off", "both"], default="on")
@@ -247,6 +289,8 @@ def main(args: argparse.Namespace) -> None:
     ref_names = args.ref_dtypes or (["bf16"] if args.device == "cuda" else ["fp32"])
     if args.shape:
         shapes = {f"custom{i}": tuple(s) for i, s in enumerate(args.shape)}
+    elif args.model:
+        shapes = model_shapes(*MODELS[args.model])
     elif args.sweep:
         sizes = (1024, 2048, 4096, 8192)
         shapes = {f"sweep{k}x{n}": (16384, k, n) for k, n in itertools.product(sizes, sizes)}
@@ -280,6 +324,12 @@ def main(args: argparse.Namespace) -> None:
     print(markdown_table(rows, list(dict.fromkeys(key for row in rows for key in row))))
     geomean = statistics.geometric_mean(r["fp8_speedup"] for r in rows)
     print(f"\ngeometric mean fp8_speedup over {len(rows)} rows: {geomean:.3f}x")
+    slowest = min(rows, key=lambda row: row["auto_filter_speedup"])
+    print(
+        f"with auto_filter: {sum(r['auto_filter'] for r in rows)} of {len(rows)} rows converted, "
+        f"slowest {slowest['auto_filter_speedup']:.3f}x ({slowest['name']}, "
+        f"compiled={slowest['compiled']})"
+    )
     if args.csv:
         write_csv(rows, args.csv)
     if args.plot:

@@ -61,6 +61,31 @@ def test_bench_linear_times_every_recipe(capsys):
         assert any(f"| {recipe.value} |" in row for row in rows), recipe
 
 
+def test_bench_linear_times_a_models_layers_with_the_auto_filters_choice(capsys, monkeypatch):
+    from benchmarks import bench_linear
+    from fp8train import auto_filter
+    from fp8train.models import ModelArgs
+
+    tiny = ModelArgs(dim=64, n_layers=1, n_heads=4, ffn_dim=176)
+    monkeypatch.setattr(bench_linear, "MODELS", {"tiny": (tiny, 64)})
+    rows = []
+    monkeypatch.setattr(bench_linear, "write_csv", lambda found, path: rows.extend(found))
+    main(["bench-linear", "--device", "cpu", "--model", "tiny", "--compile", "off", "--csv", "x"])
+    assert [(r["name"], r["shape"]) for r in rows] == [
+        ("wq/wk/wv/wo", "(64, 64, 64)"),
+        ("w1/w3", "(64, 64, 176)"),
+        ("w2", "(64, 176, 64)"),
+        ("lm_head", "(64, 64, 256)"),
+    ]
+    for row in rows:
+        # The filter's own choice for this layer, and the speedup that choice gives.
+        k, n = (int(v) for v in row["shape"].strip("()").split(", ")[1:])
+        converts = auto_filter(64, compiled=False)(torch.nn.Linear(k, n, device="meta"), "")
+        assert row["auto_filter"] is converts
+        assert row["auto_filter_speedup"] == (row["fp8_speedup"] if converts else 1.0)
+    assert "with auto_filter: " in capsys.readouterr().out
+
+
 def test_bench_matmul_runs_a_tiny_shape_on_the_cpu(capsys, monkeypatch):
     from benchmarks import bench_matmul
 
