@@ -30,8 +30,28 @@ def environment() -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "fp8train": fp8train.__version__,
         "python": platform.python_version(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
     }
+
+
+def command_line(argv: Sequence[str] | None = None, root: Path | None = None) -> str:
+    """The command as it can be typed again from the repository root (`root`, default the
+    working directory): a script inside it as `-m module`, a path inside it relative to it, a
+    path elsewhere (an output folder of that machine) as its file name alone."""
+    argv = list(sys.argv if argv is None else argv)
+    root = Path.cwd() if root is None else root
+    words = [Path(sys.executable).name]
+    for i, word in enumerate(argv):
+        path = Path(word)
+        if path.is_absolute():
+            inside = path.is_relative_to(root)
+            relative = path.relative_to(root) if inside else Path(path.name)
+            if i == 0 and inside and relative.suffix == ".py":
+                words += ["-m", ".".join(relative.with_suffix("").parts)]
+                continue
+            word = str(relative)
+        words.append(word)
+    return " ".join(words)
 
 
 def print_environment() -> None:

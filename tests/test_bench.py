@@ -7,6 +7,18 @@ from benchmarks.bench_memory import with_ratios
 from fp8train.__main__ import main
 
 
+def test_results_name_the_command_as_typed_from_the_repository_root(tmp_path):
+    from benchmarks.utils import command_line
+
+    argv = [str(tmp_path / "examples" / "train_llama.py"), "--json", "/elsewhere/out/e2e.json"]
+    argv += ["--csv", str(tmp_path / "results" / "x.csv"), "--steps", "3"]
+    words = command_line(argv, root=tmp_path).split()
+    assert words[1:] == [
+        "-m", "examples.train_llama", "--json", "e2e.json", "--csv", "results/x.csv",
+        "--steps", "3",
+    ]  # fmt: skip
+
+
 def test_memory_table_shows_ratios_to_bf16():
     rows = [{"case": "c", "mode": "eager", "bf16": 2.0, "fp8 default": 1.5}]
     assert with_ratios(rows) == [
