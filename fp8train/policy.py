@@ -18,7 +18,9 @@ chooses what to keep by size, so that left alone it keeps the float8 input and r
 weight whatever the config says. So each forward cast that backward shares (tensorwise: the
 same float8 tensor serves both gemms of a role) runs in its own selective activation-checkpoint
 region, whose policy tags every op of the cast MUST_SAVE (the float8 result is kept) or
-MUST_RECOMPUTE (backward recasts from the hp tensor): the tags the partitioner honours. A cast
+MUST_RECOMPUTE (backward recasts from the hp tensor): the tags the partitioner honours. A
+recomputed dynamic cast finds its scale before its region, in forward, so backward's recast
+reuses it (one pass over hp, no second amax). A cast
 that backward does not share (rowwise, and blockwise activations: each gemm casts along its own
 inner dim) is made in forward for backward only: untagged where backward keeps float8, tagged
 MUST_RECOMPUTE where it keeps the hp tensor. The one choice the partitioner overrides is a
