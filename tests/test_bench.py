@@ -26,6 +26,18 @@ def test_memory_table_shows_ratios_to_bf16():
     ]
 
 
+def test_recompute_savings_against_the_float8_weights_bytes():
+    from benchmarks.bench_memory import float8_weight_gib, recompute_savings
+    from fp8train import convert_to_float8_training
+
+    model = convert_to_float8_training(
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64))
+    )
+    assert float8_weight_gib(model) == 2 * 64 * 32 / 2**30
+    held = {"fp8 default": 1.0, "fp8 keep-weight": 1.15}
+    assert recompute_savings(held, 0.156) == "0.150 GiB of 0.156 (96%)"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the command runs the benchmark")
 def test_bench_memory_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="run it on a GPU"):
