@@ -6,6 +6,7 @@ it saves: they record the placeholders of the backward graph that aot_autograd (
 partitioner that aot_eager and inductor use) or inductor itself produced.
 """
 
+import copy
 import functools
 
 import pytest
@@ -460,3 +461,25 @@ def test_compiled_selective_checkpoint_keeps_what_its_policy_saves():
     # The user's policy saves the gemm outputs; no float8 copy of a layer input is forced in.
     assert (torch.float32, (M, 2 * K)) in graph
     assert not any(dtype == E4M3 for dtype, _ in graph)
+
+
+def test_inductor_recasts_every_input_of_a_llama_block_in_backward():
+    """Under inductor a LLaMA-style block keeps no float8 copy by default: each linear input
+    is remade in backward from what the block keeps anyway (the norm's input, attention's
+    output, SwiGLU's halves) and recast there, so float8 keeps less than bf16 and nothing that
+    bf16 does not keep too (benchmarks/saved_by_block.py; the end-to-end peak analysis)."""
+    from benchmarks.saved_by_block import describe, saved_by_backward
+    from fp8train.models import TransformerBlock, rotary_cos_sin
+
+    args = ModelArgs(dim=64, n_heads=2, ffn_dim=176, max_seq_len=96)
+    torch.manual_seed(0)
+    bf16 = TransformerBlock(args).to(torch.bfloat16)
+    fp8 = convert_to_float8_training(copy.deepcopy(bf16))
+    x = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_cos_sin(96, 32, 10000.0, x.device)
+    kept = {
+        name: describe(saved_by_backward(block, x, cos, sin), block)
+        for name, block in (("bf16", bf16), ("fp8", fp8))
+    }
+    assert kept["fp8"]["float8 MiB"] == 0
+    assert kept["fp8"]["kept MiB"] < kept["bf16"]["kept MiB"]
