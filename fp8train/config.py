@@ -292,7 +292,9 @@ class Float8LinearConfig:
     the ops trace into the torch path. See benchmarks/results/compiled_cast_kernels_*.md and
     casts_h100_2026-12-05.md: faster on GPU-bound layers; slower on thin ones, where each
     cast's extra launches (fills of its 0-d outputs) keep the GPU waiting for the host; slower
-    and heavier in a whole compiled LLaMA-style model (e2e_h100_2026-12-05.md)."""
+    and heavier in a whole compiled LLaMA-style model (e2e_h100_2026-12-05.md): the compile
+    partitioner cannot recompute the kernels, so it keeps their float8 outputs where it would
+    recast inductor's casts from tensors kept anyway (benchmarks/saved_by_block.py)."""
 
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
