@@ -113,7 +113,12 @@ def saved_by_backward(block: torch.nn.Module, *inputs: torch.Tensor) -> list[tor
 
     torch._dynamo.reset()
     backend = functools.partial(compile_fx, inner_compile=inner)
-    torch.compile(block, backend=backend, fullgraph=True)(*inputs).float().sum().backward()
+    # A graph served from a cache is not compiled again, and `inner` would not see it.
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        torch.compile(block, backend=backend, fullgraph=True)(*inputs).float().sum().backward()
     (saved,) = found
     return saved
 
