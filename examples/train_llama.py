@@ -23,6 +23,7 @@ import copy
 import gc
 import json
 import math
+import statistics
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -144,7 +145,10 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train(name: str, initial: Transformer, data: dict, args: argparse.Namespace) -> dict:
+def train(
+    name: str, initial: Transformer, data: dict, args: argparse.Namespace, seed: int = 0
+) -> dict:
+    """One run of `name` from `initial`'s weights, on the batches that `seed` draws."""
     device = torch.device(args.device)
     model = copy.deepcopy(initial).to(device=device, dtype=DTYPES[args.dtype])
     model = prepare(convert(model, name), args)
@@ -157,7 +161,7 @@ def train(name: str, initial: Transformer, data: dict, args: argparse.Namespace)
     )
     ours = name != "bf16" and not name.startswith("torchao-")
     stream = batches(
-        data["train"], args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed)
+        data["train"], args.batch_size, args.seq_len, torch.Generator().manual_seed(seed)
     )
     losses, times = [], []
     for step in tqdm(range(args.steps), desc=name, disable=args.quiet, leave=False):
@@ -186,6 +190,7 @@ def train(name: str, initial: Transformer, data: dict, args: argparse.Namespace)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     result = {
         "config": name,
+        "seed": seed,
         "losses": losses,
         "final_train_loss": sum(losses[-FINAL_STEPS:]) / len(losses[-FINAL_STEPS:]),
         "val_loss": evaluate(model, data["val"]),
@@ -221,6 +226,29 @@ def compare(rows: list[dict], base_name: str) -> list[dict]:
     return table
 
 
+def summarize(rows: list[dict], base_name: str) -> list[dict]:
+    """Over several seeds: each config against the baseline run of the same seed, as the
+    mean and the range of the per-seed figures. One seed's loss difference is not a measure
+    of float8's: runs of the same program can land further apart than the goal
+    (benchmarks/results/e2e_h100_2026-12-05.md)."""
+    by_config: dict[str, list[dict]] = {}
+    for seed in dict.fromkeys(row["seed"] for row in rows):
+        for entry in compare([row for row in rows if row["seed"] == seed], base_name):
+            by_config.setdefault(entry["config"], []).append(entry)
+    table = []
+    for config, entries in by_config.items():
+        summary = {"config": config, "seeds": len(entries)}
+        for key in (f"vs {base_name}", f"memory vs {base_name}"):
+            values = [e[key] for e in entries if e[key] is not None]
+            summary[key] = statistics.mean(values) if values else None
+        for key in (f"train vs {base_name} %", f"val vs {base_name} %"):
+            values = [e[key] for e in entries]
+            summary[f"{key} mean"] = statistics.mean(values)
+            summary[f"{key} range"] = f"{min(values):+.2f} to {max(values):+.2f}"
+        table.append(summary)
+    return table
+
+
 def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> None:
     """Loss curves of every run, from `main`'s rows or a --json file's "runs"; `caption`
     (the GPU, torch, date and command) under the axes."""
@@ -234,7 +262,9 @@ def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> No
         losses = torch.tensor(row["losses"])
         window = min(smooth, len(losses))
         smoothed = losses.unfold(0, window, 1).mean(1)
-        axes.plot(range(window - 1, len(losses)), smoothed, label=row["config"], linewidth=1)
+        several = len({r.get("seed", 0) for r in rows}) > 1
+        label = f"{row['config']} seed {row['seed']}" if several else row["config"]
+        axes.plot(range(window - 1, len(losses)), smoothed, label=label, linewidth=1)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(f"train loss (mean of {smooth} steps)")
     axes.legend()
@@ -264,7 +294,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--compile", action="store_true", help="torch.compile each transformer block")
     add("--ac", action="store_true", help="activation checkpointing of each block")
     add("--eval-batches", type=int, default=8)
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=0, help="initial weights and batch order")
+    add("--seeds", type=int, nargs="+", help="run every config once per seed, and summarize "
+        "the loss differences over the seeds (instead of --seed)")  # fmt: skip
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--plot", help="write the loss curves to this PNG")
     add("--json", help="write every run's losses and figures to this JSON file")
@@ -316,30 +348,41 @@ def main(args: argparse.Namespace) -> list[dict]:
         dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, ffn_dim=args.ffn_dim,
         max_seq_len=args.seq_len,
     )  # fmt: skip
-    torch.manual_seed(args.seed)
-    with torch.device("cpu"):
-        initial = Transformer(model_args)
     rows = []
     run_environment = environment()
-    for name in args.configs:
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        torch._dynamo.reset()
-        rows.append(train(name, initial, data, args))
-        row = rows[-1]
-        print(
-            f"{name}: {row['tokens_per_s']:.0f} tokens/s, peak {row['peak_memory_gib']} GiB, "
-            f"final train loss {row['final_train_loss']:.4f}, val loss {row['val_loss']:.4f}",
-            flush=True,
-        )
-        if args.json:  # after every run, so that an interrupted comparison keeps its runs
-            write_json(args, run_environment, rows)
+    seeds = args.seeds or [args.seed]
     base_name = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[args.dtype]
-    # A cell left empty where a figure does not exist (peak memory on the CPU).
-    table = [{k: v for k, v in row.items() if v is not None} for row in compare(rows, base_name)]
-    print(markdown_table(table, list(table[0])))
+    for seed in seeds:
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            initial = Transformer(model_args)
+        for name in args.configs:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            torch._dynamo.reset()
+            rows.append(train(name, initial, data, args, seed))
+            row = rows[-1]
+            print(
+                f"{name} (seed {seed}): {row['tokens_per_s']:.0f} tokens/s, peak "
+                f"{row['peak_memory_gib']} GiB, final train loss {row['final_train_loss']:.4f}, "
+                f"val loss {row['val_loss']:.4f}",
+                flush=True,
+            )
+            if args.json:  # after every run, so that an interrupted comparison keeps its runs
+                write_json(args, run_environment, rows)
+        # A cell left empty where a figure does not exist (peak memory on the CPU).
+        runs = [row for row in rows if row["seed"] == seed]
+        table = [{k: v for k, v in r.items() if v is not None} for r in compare(runs, base_name)]
+        print(markdown_table(table, list(table[0])))
+    if len(seeds) > 1:
+        summary = [
+            {k: v for k, v in r.items() if v is not None} for r in summarize(rows, base_name)
+        ]
+        print(f"\nover {len(seeds)} seeds ({', '.join(map(str, seeds))}), each against "
+              f"{base_name} of the same seed:")  # fmt: skip
+        print(markdown_table(summary, list(summary[0])))
     if args.plot:
         plot(rows, args.plot, caption_of(run_environment))
         print(f"loss curves: {args.plot}")

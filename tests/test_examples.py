@@ -43,6 +43,23 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
     assert "| fp32 |" in table and "val vs fp32 %" in table
 
 
+def test_several_seeds_compare_each_run_with_the_baseline_of_its_seed(tmp_path, capsys):
+    from examples.train_llama import summarize
+
+    rows = run(tmp_path, "--configs", "bf16", "tensorwise", "--seeds", "0", "1")
+    assert [(r["config"], r["seed"]) for r in rows] == [
+        ("bf16", 0), ("tensorwise", 0), ("bf16", 1), ("tensorwise", 1),
+    ]  # fmt: skip
+    # Different seeds: different weights and batches, so different first losses.
+    assert rows[0]["losses"][0] != rows[2]["losses"][0]
+    assert "over 2 seeds (0, 1)" in capsys.readouterr().out
+    (base, fp8) = summarize(rows, "fp32")
+    per_seed = [100 * (rows[i + 1]["val_loss"] / rows[i]["val_loss"] - 1) for i in (0, 2)]
+    assert fp8["val vs fp32 % mean"] == pytest.approx(sum(per_seed) / 2)
+    assert fp8["val vs fp32 % range"] == f"{min(per_seed):+.2f} to {max(per_seed):+.2f}"
+    assert base["val vs fp32 % mean"] == 0 and fp8["seeds"] == 2
+
+
 def test_grad_accumulation_and_checkpointing(tmp_path):
     rows = run(tmp_path, "--configs", "bf16", "rowwise", "--grad-accum", "2", "--ac")
     assert rows[1]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.02)
