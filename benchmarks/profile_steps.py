@@ -157,12 +157,13 @@ def blocks_part():
 
 
 def _phase(frames: list[dict]) -> str:
-    names = {(f["name"], os.path.basename(f["filename"])) for f in frames}
-    if any(name == "step" and "optim" in f["filename"] for f in frames for name in [f["name"]]):
+    """The part of a training step that made an allocation, from its Python frames: the
+    autograd engine's entry (torch/autograd/graph.py) or a compiled backward means backward."""
+    if any(f["name"] == "step" and "optim" in f["filename"] for f in frames):
         return "optimizer"
     if any("clip_grad" in f["filename"] for f in frames):
         return "clip"
-    if any("backward" in name or file == "graph.py" for name, file in names):
+    if any("backward" in f["name"] or f["filename"].endswith("graph.py") for f in frames):
         return "backward"
     return "forward"
 
