@@ -1,5 +1,7 @@
 """The benchmark commands' plumbing (the measurements themselves run on a GPU)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -151,3 +153,21 @@ def test_profile_host_prints_both_step_times_and_a_profile(capsys):
     out = capsys.readouterr().out
     assert "float32:" in out and "float8:" in out and "us per fwd+bwd" in out
     assert "function calls" in out
+
+
+def test_peak_report_names_the_phase_and_the_line_of_an_allocation():
+    from benchmarks.profile_steps import _phase, _site
+
+    def frame(name: str, filename: str, line: int = 1) -> dict:
+        return {"name": name, "filename": filename, "line": line}
+
+    assert _phase([frame("step", "/x/torch/optim/adamw.py")]) == "optimizer"
+    assert _phase([frame("clip_grad_norm_", "/x/torch/nn/utils/clip_grad.py")]) == "clip"
+    assert _phase([frame("call", "/tmp/c1.py"), frame("backward", "/x/function.py")]) == "backward"
+    assert _phase([frame("_engine_run_backward", "/x/torch/autograd/graph.py")]) == "backward"
+    assert _phase([frame("call", "/tmp/c1.py"), frame("forward", "/x/models.py")]) == "forward"
+    # The innermost Python frame, with its line of code.
+    first_line = Path(__file__).read_text().splitlines()[0]
+    site = _site([frame("x", "<C++>"), frame("test", __file__, 1)])
+    assert site == f"test_bench.py:1 test: {first_line}"
+    assert _site([frame("x", "<C++>")]) == "(no Python frame)"
