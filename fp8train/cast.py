@@ -404,10 +404,7 @@ def cast_for_gemms(
         cast.target_dtype,
         granularity,
         tuple(hp.dim() == 2 and _COLUMN_MAJOR[(role, gemm)] for gemm in gemms),
-        reduce_dim=_INNER_DIM[(role, gemms[0])]
-        if granularity is ScalingGranularity.ROWWISE
-        else None,
-        block=block_shape(role, gemms[0]) if granularity is ScalingGranularity.BLOCKWISE else None,
+        **_scale_shape(role, gemms[0], granularity),
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         scale=scale,
         record_amax=record_amax,
@@ -427,15 +424,21 @@ def dynamic_scale(
         return None
     granularity = cast.scaling_granularity
     return amax_to_scale(
-        amax(
-            hp,
-            granularity,
-            _INNER_DIM[(role, gemm)] if granularity is ScalingGranularity.ROWWISE else None,
-            block_shape(role, gemm) if granularity is ScalingGranularity.BLOCKWISE else None,
-        ),
+        amax(hp, granularity, **_scale_shape(role, gemm, granularity)),
         cast.target_dtype,
         round_to_power_of_2=config.round_scales_to_power_of_2,
     )
+
+
+def _scale_shape(role: Role, gemm: Gemm, granularity: ScalingGranularity) -> dict:
+    """What a cast of `role` for `gemm` reduces its amax over, as amax() and cast_layouts()
+    take it: the gemm's inner dim (rowwise) or its blocks (blockwise)."""
+    return {
+        "reduce_dim": _INNER_DIM[(role, gemm)]
+        if granularity is ScalingGranularity.ROWWISE
+        else None,
+        "block": block_shape(role, gemm) if granularity is ScalingGranularity.BLOCKWISE else None,
+    }
 
 
 def uses_cast_kernels(config: Float8LinearConfig, role: Role) -> bool:
