@@ -16,13 +16,13 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
+from benchmarks.saved_by_block import saved_by_backward
 from fp8train import Float8Linear, Float8LinearConfig, compute_error, convert_to_float8_training
 from fp8train.kernels import HAS_TRITON
 from fp8train.models import ModelArgs, Transformer
@@ -89,43 +89,35 @@ def test_dynamic_token_counts_share_one_graph():
 
 
 class BackwardInputs:
-    """A torch.compile backend that records, for each backward graph, the (dtype, shape) of
-    what forward handed it (tangents left out)."""
+    """An aot_eager backend (the min-cut partitioner) that records, for each backward graph,
+    the (dtype, shape) of what forward handed it (tangents left out)."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self) -> None:
         self.graphs: list[list[tuple[torch.dtype, tuple[int, ...]]]] = []
-        if backend == "aot_eager":
-            self.backend = aot_autograd(
-                fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                bw_compiler=self._record_aot,
-                partition_fn=min_cut_rematerialization_partition,
-            )
-        else:
-            self.backend = functools.partial(compile_fx, inner_compile=self._record_inductor)
+        self.backend = aot_autograd(
+            fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+            bw_compiler=self._record,
+            partition_fn=min_cut_rematerialization_partition,
+        )
 
-    @staticmethod
-    def _saved(gm: torch.fx.GraphModule) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-        return [
-            (node.meta["val"].dtype, tuple(node.meta["val"].shape))
-            for node in gm.graph.nodes
-            if node.op == "placeholder" and not node.name.startswith("tangents")
-        ]
-
-    def _record_aot(self, gm, example_inputs):  # noqa: ANN001, ANN202
-        self.graphs.append(self._saved(gm))
+    def _record(self, gm, example_inputs):  # noqa: ANN001, ANN202
+        self.graphs.append(
+            [
+                (node.meta["val"].dtype, tuple(node.meta["val"].shape))
+                for node in gm.graph.nodes
+                if node.op == "placeholder" and not node.name.startswith("tangents")
+            ]
+        )
         return make_boxed_func(gm.forward)
-
-    def _record_inductor(self, gm, example_inputs, **kwargs):  # noqa: ANN001, ANN202
-        if kwargs.get("is_backward"):
-            self.graphs.append(self._saved(gm))
-        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def backward_inputs(fn, *inputs, backend: str = "aot_eager"):  # noqa: ANN001, ANN201
-    """Run `fn(*inputs)` compiled, forward and backward; what its backward graph received,
-    and the gradients of `inputs`."""
+    """Run `fn(*inputs)` compiled, forward and backward; the (dtype, shape) of what its
+    backward graph received from aot_eager's partitioner or inductor's."""
+    if backend == "inductor":
+        return [(t.dtype, tuple(t.shape)) for t in saved_by_backward(fn, *inputs)]
     torch._dynamo.reset()
-    recorder = BackwardInputs(backend)
+    recorder = BackwardInputs()
     compiled = torch.compile(fn, backend=recorder.backend, fullgraph=True)
     compiled(*inputs).sum().backward()
     (graph,) = recorder.graphs
@@ -468,7 +460,7 @@ def test_inductor_recasts_every_input_of_a_llama_block_in_backward():
     is remade in backward from what the block keeps anyway (the norm's input, attention's
     output, SwiGLU's halves) and recast there, so float8 keeps less than bf16 and nothing that
     bf16 does not keep too (benchmarks/saved_by_block.py; the end-to-end peak analysis)."""
-    from benchmarks.saved_by_block import describe, saved_by_backward
+    from benchmarks.saved_by_block import describe
     from fp8train.models import TransformerBlock, rotary_cos_sin
 
     args = ModelArgs(dim=64, n_heads=2, ffn_dim=176, max_seq_len=96)
