@@ -9,8 +9,9 @@ times with dynamo's counters (frames, graph breaks).
                                                  # with compiled_cast_kernels too
     python -m benchmarks.profile_steps blocks    # the end-to-end model's compiled blocks (2 of
                                                  # them; DIM, LAYERS, FFN): peak memory and
-                                                 # kernel launches by kind, bf16, tensorwise,
-                                                 # tensorwise with compiled_cast_kernels
+                                                 # kernel launches by kind, per train_llama
+                                                 # config (CONFIGS; default bf16, tensorwise,
+                                                 # tensorwise-cast-kernels, -keep-hp-input)
     python -m benchmarks.profile_steps peak      # the end-to-end model's training step: what
                                                  # is allocated at its peak, by line and phase
                                                  # (CONFIGS=bf16,tensorwise, LAYERS=6)
@@ -107,22 +108,15 @@ def blocks_part():
         dim=dim, n_layers=layers, n_heads=dim // 128, ffn_dim=int(os.environ.get("FFN", "14336")),
         max_seq_len=4096,
     )  # fmt: skip
+    from examples.train_llama import convert
+
     torch.manual_seed(0)
     base = Transformer(a).to("cuda", torch.bfloat16)
     tokens = torch.randint(0, 256, (2, 4096), device="cuda")
-    configs = {
-        "bf16": None,
-        "tensorwise": Float8LinearConfig(),
-        "tensorwise cast-kernels": Float8LinearConfig(compiled_cast_kernels=True),
-        "tensorwise keep-hp-input": Float8LinearConfig(recompute_input_cast=True),
-    }
-    for name, config in configs.items():
+    default = "bf16,tensorwise,tensorwise-cast-kernels,tensorwise-keep-hp-input"
+    for name in os.environ.get("CONFIGS", default).split(","):
         torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        if config is not None:
-            convert_to_float8_training(
-                model, config=config, module_filter_fn=lambda m, fqn: fqn != "lm_head"
-            )
+        model = convert(copy.deepcopy(base), name)
         for block in model.layers:
             block.compile(fullgraph=True)
 
@@ -180,6 +174,29 @@ def _site(frames: list[dict]) -> str:
     return "(no Python frame)"
 
 
+def live_at_peak(trace: list[dict]) -> tuple[list[dict], int]:
+    """The allocations live when the bytes allocated over a memory-history `trace` (its
+    alloc and free events) were highest, and that many bytes."""
+
+    def replay(events: list[dict]) -> tuple[dict[int, dict], list[int]]:
+        live: dict[int, dict] = {}
+        totals, total = [], 0
+        for event in events:
+            if event["action"] == "alloc":
+                live[event["addr"]] = event
+                total += event["size"]
+            elif event["action"] in ("free_requested", "free_completed"):
+                gone = live.pop(event["addr"], None)
+                total -= gone["size"] if gone else 0
+            totals.append(total)
+        return live, totals
+
+    _, totals = replay(trace)
+    best = max(totals, default=0)
+    live, _ = replay(trace[: totals.index(best) + 1] if best else [])
+    return list(live.values()), best
+
+
 def peak_part():
     """What is allocated at the peak of a training step of the end-to-end model (LAYERS
     blocks, compiled, fused AdamW, as examples/train_llama.py trains it), per config
@@ -220,18 +237,7 @@ def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> None:
     torch.cuda.synchronize()
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
-    live: dict[int, dict] = {}
-    total = best = 0
-    at_peak: list[dict] = []
-    for event in trace:
-        if event["action"] == "alloc":
-            live[event["addr"]] = event
-            total += event["size"]
-            if total > best:
-                best, at_peak = total, list(live.values())
-        elif event["action"] in ("free_requested", "free_completed"):
-            gone = live.pop(event["addr"], None)
-            total -= gone["size"] if gone else 0
+    at_peak, best = live_at_peak(trace)
     sites: dict[tuple[str, str], list[int]] = {}
     for event in at_peak:
         key = (_phase(event["frames"]), _site(event["frames"]))

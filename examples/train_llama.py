@@ -258,11 +258,11 @@ def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> No
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4))
+    several = len({r.get("seed", 0) for r in rows}) > 1
     for row in rows:
         losses = torch.tensor(row["losses"])
         window = min(smooth, len(losses))
         smoothed = losses.unfold(0, window, 1).mean(1)
-        several = len({r.get("seed", 0) for r in rows}) > 1
         label = f"{row['config']} seed {row['seed']}" if several else row["config"]
         axes.plot(range(window - 1, len(losses)), smoothed, label=label, linewidth=1)
     axes.set_xlabel("optimizer step")

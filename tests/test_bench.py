@@ -171,3 +171,19 @@ def test_peak_report_names_the_phase_and_the_line_of_an_allocation():
     site = _site([frame("x", "<C++>"), frame("test", __file__, 1)])
     assert site == f"test_bench.py:1 test: {first_line}"
     assert _site([frame("x", "<C++>")]) == "(no Python frame)"
+
+
+def test_peak_report_finds_what_is_live_at_the_peak():
+    from benchmarks.profile_steps import live_at_peak
+
+    def event(action: str, addr: int, size: int) -> dict:
+        return {"action": action, "addr": addr, "size": size}
+
+    trace = [
+        event("alloc", 1, 10), event("alloc", 2, 30), event("free_requested", 1, 10),
+        event("free_completed", 1, 10), event("alloc", 3, 5), event("free_requested", 2, 30),
+        event("free_requested", 9, 99),  # allocated before the recording: not counted
+    ]  # fmt: skip
+    live, best = live_at_peak(trace)
+    assert best == 40 and sorted(e["addr"] for e in live) == [1, 2]
+    assert live_at_peak([]) == ([], 0)
