@@ -43,14 +43,6 @@ CONFIGS = {
 # ------------------------------------------------ opaque stand-ins for the GPU's triton ops
 
 
-def _layouts(hp: torch.Tensor, data: torch.Tensor, row: bool, col: bool):  # noqa: ANN202
-    empty = hp.new_empty((0,), dtype=data.dtype)
-    return (
-        data.clone() if row else empty,
-        fp8train.cast._column_major(data) if col else empty.clone(),
-    )
-
-
 @torch.library.custom_op("saved_by_block::amax", mutates_args=())
 def _amax(hp: torch.Tensor) -> torch.Tensor:
     return fp8train.cast.amax(hp, ScalingGranularity.TENSORWISE, None)
@@ -65,7 +57,7 @@ def _(hp: torch.Tensor) -> torch.Tensor:
 def _cast(
     hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row: bool, col: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layouts(hp, fp8train.cast._saturated_cast(hp, scale, dtype), row, col)
+    return fp8train.cast._layouts_of(fp8train.cast._saturated_cast(hp, scale, dtype), row, col)
 
 
 @_cast.register_fake
