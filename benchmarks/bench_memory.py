@@ -2,6 +2,8 @@
 mode and compiled, with torchao.float8 as a column when it is importable.
 
     python -m benchmarks.bench_memory [--cases linear-4096 linear-16384 llama] [--csv out.csv]
+    python -m benchmarks.bench_memory --cases linear-16384 --modes eager \
+        --configs bf16 "fp8 default" --explain     # what is live at each cell's peak
     python -m fp8train bench-memory ...     (the same, run from a checkout of the repository)
 
 Configs: "fp8 default" recomputes the weight cast and, compiled, lets the partitioner choose
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.memory_trace import print_peak
 from benchmarks.utils import markdown_table, print_environment, write_csv
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.models import ModelArgs, Transformer, TransformerBlock
@@ -112,8 +115,9 @@ def compile_units(model: nn.Module, unit: type[nn.Module]) -> None:
             compile_units(child, unit)
 
 
-def measure(model: nn.Module, case: Case) -> tuple[float, float]:
-    """(peak GiB of one fwd+bwd, GiB that forward leaves allocated for backward)."""
+def measure(model: nn.Module, case: Case, explain: str | None = None) -> tuple[float, float]:
+    """(peak GiB of one fwd+bwd, GiB that forward leaves allocated for backward). With
+    `explain` (a title), then also print what one more fwd+bwd has live at its peak."""
     x = case.make_input()
     out_shape = model(x).shape
     grad = torch.randn(out_shape, device="cuda", dtype=torch.bfloat16)
@@ -131,7 +135,14 @@ def measure(model: nn.Module, case: Case) -> tuple[float, float]:
     held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
     out.backward(grad)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / GIB, held / GIB
+    peak = torch.cuda.max_memory_allocated() / GIB
+    if explain:
+        del out
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        gc.collect()
+        print_peak(lambda: model(x).backward(grad), explain)
+    return peak, held / GIB
 
 
 def float8_weight_gib(model: nn.Module) -> float:
@@ -146,16 +157,25 @@ def recompute_savings(held: dict, weight_gib: float) -> str:
     return f"{saved:.3f} GiB of {weight_gib:.3f} ({100 * saved / weight_gib:.0f}%)"
 
 
-def run(case_names: list[str], modes: list[str], llama_layers: int) -> tuple[list, list]:
-    """Rows of peaks and rows of what forward holds for backward, per case and mode."""
+def all_configs() -> list[str]:
+    return ["bf16", *FP8_CONFIGS, *(["torchao.float8"] if torchao_float8 is not None else [])]
+
+
+def run(
+    case_names: list[str],
+    modes: list[str],
+    llama_layers: int,
+    configs: list[str] | None = None,
+    explain: bool = False,
+) -> tuple[list, list]:
+    """Rows of peaks and rows of what forward holds for backward, per case and mode, over
+    `configs` (default: all; bf16 always, for the ratios)."""
     cases = {
         "linear-4096": lambda: linear_case(4096),
         "linear-16384": lambda: linear_case(16384),
         "llama": lambda: llama_case(llama_layers, seq_len=4096, batch=1),
     }
-    configs = ["bf16", *FP8_CONFIGS]
-    if torchao_float8 is not None:
-        configs.append("torchao.float8")
+    configs = ["bf16", *[c for c in configs or all_configs() if c != "bf16"]]
     rows, held_rows = [], []
     for case_name in case_names:
         case = cases[case_name]()
@@ -170,8 +190,9 @@ def run(case_names: list[str], modes: list[str], llama_layers: int) -> tuple[lis
                 if mode == "compiled":
                     torch._dynamo.reset()
                     compile_units(model, case.compile_unit)
-                row[name], held[name] = measure(model, case)
-                if name == "fp8 keep-weight":
+                title = f"{case_name} {mode} {name}" if explain else None
+                row[name], held[name] = measure(model, case, title)
+                if name.startswith("fp8"):
                     held["float8 weights"] = float8_weight_gib(model)
                 del model
                 gc.collect()
@@ -204,6 +225,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"]
     )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=["bf16", *FP8_CONFIGS, "torchao.float8"],
+        help="the configs to measure (default: all; bf16 is always measured, for the ratios)",
+    )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="after each cell, print the allocations live at its peak by phase and line",
+    )
     parser.add_argument("--llama-layers", type=int, default=4, help="decoder blocks (default 4)")
     parser.add_argument(
         "--csv", help="also write the raw GiB figures to this CSV file (and those held: NAME-held)"
@@ -215,14 +247,18 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("bench_memory measures CUDA memory: run it on a GPU")
     print_environment()
     print(f"- torchao.float8: {TORCHAO}\n")
-    rows, held_rows = run(args.cases, args.modes, args.llama_layers)
+    if args.configs and "torchao.float8" in args.configs and torchao_float8 is None:
+        raise SystemExit(f"--configs names torchao.float8, which is {TORCHAO}")
+    rows, held_rows = run(args.cases, args.modes, args.llama_layers, args.configs, args.explain)
     print("Peak memory of one forward + backward, GiB (ratio to bf16 in the same mode)\n")
     print(markdown_table(with_ratios(rows)))
     print("\nHeld by forward for backward, GiB (ratio to bf16 in the same mode)\n")
-    weights = [row.pop("float8 weights") for row in held_rows]
+    weights = [row.pop("float8 weights", None) for row in held_rows]
     print(markdown_table(with_ratios(held_rows)))
     print()
     for row, weight_gib in zip(held_rows, weights, strict=True):
+        if not {"fp8 default", "fp8 keep-weight"} <= row.keys():
+            continue
         print(
             f"- {row['case']}, {row['mode']}: recomputing the weight cast saves "
             f"{recompute_savings(row, weight_gib)} against keeping the float8 weight"

@@ -4,8 +4,10 @@ times with dynamo's counters (frames, graph breaks).
 
     python -m benchmarks.profile_steps layer     # one layer, ffn.w13 and attn.w0, fp8train and
                                                  # torchao.float8, eager and compiled
-    SHAPES=attn.wqkv,ffn.w13 MODES=compiled KERNELS=1 python -m benchmarks.profile_steps layer
-                                                 # other shapes, compiled only, and fp8train
+    SHAPES=attn.wqkv,8192x4096x4096 MODES=compiled KERNELS=1 \
+        python -m benchmarks.profile_steps layer
+                                                 # other shapes (names or MxKxN), compiled
+                                                 # only, and fp8train
                                                  # with compiled_cast_kernels too
     python -m benchmarks.profile_steps blocks    # the end-to-end model's compiled blocks (2 of
                                                  # them; DIM, LAYERS, FFN): peak memory and
@@ -35,6 +37,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
+from benchmarks.memory_trace import print_peak
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
@@ -79,7 +82,8 @@ def layer_part():
     shapes = os.environ.get("SHAPES", "ffn.w13,attn.w0").split(",")
     modes = [m == "compiled" for m in os.environ.get("MODES", "eager,compiled").split(",")]
     for name in shapes:
-        m, k, n = LLAMA_70B_SHAPES[name]
+        # A name of the LLaMA-70B table, or MxKxN.
+        m, k, n = LLAMA_70B_SHAPES.get(name) or map(int, name.split("x"))
         ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -150,53 +154,6 @@ def blocks_part():
         top(step, n=12, steps=1)
 
 
-def _phase(frames: list[dict]) -> str:
-    """The part of a training step that made an allocation, from its Python frames: the
-    autograd engine's entry (torch/autograd/graph.py) or a compiled backward means backward."""
-    if any(f["name"] == "step" and "optim" in f["filename"] for f in frames):
-        return "optimizer"
-    if any("clip_grad" in f["filename"] for f in frames):
-        return "clip"
-    if any("backward" in f["name"] or f["filename"].endswith("graph.py") for f in frames):
-        return "backward"
-    return "forward"
-
-
-def _site(frames: list[dict]) -> str:
-    """Where an allocation was made: its innermost Python frame, with that line's code (the
-    compiled graphs' buffers show as the line of inductor's output code that makes them)."""
-    import linecache
-
-    for f in frames:
-        if f["filename"].endswith(".py") and "/torch/cuda/" not in f["filename"]:
-            code = linecache.getline(f["filename"], f["line"]).strip()[:90]
-            return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}: {code}"
-    return "(no Python frame)"
-
-
-def live_at_peak(trace: list[dict]) -> tuple[list[dict], int]:
-    """The allocations live when the bytes allocated over a memory-history `trace` (its
-    alloc and free events) were highest, and that many bytes."""
-
-    def replay(events: list[dict]) -> tuple[dict[int, dict], list[int]]:
-        live: dict[int, dict] = {}
-        totals, total = [], 0
-        for event in events:
-            if event["action"] == "alloc":
-                live[event["addr"]] = event
-                total += event["size"]
-            elif event["action"] in ("free_requested", "free_completed"):
-                gone = live.pop(event["addr"], None)
-                total -= gone["size"] if gone else 0
-            totals.append(total)
-        return live, totals
-
-    _, totals = replay(trace)
-    best = max(totals, default=0)
-    live, _ = replay(trace[: totals.index(best) + 1] if best else [])
-    return list(live.values()), best
-
-
 def peak_part():
     """What is allocated at the peak of a training step of the end-to-end model (LAYERS
     blocks, compiled, fused AdamW, as examples/train_llama.py trains it), per config
@@ -229,28 +186,7 @@ def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> None:
 
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-    step()
-    torch.cuda.synchronize()
-    trace = torch.cuda.memory._snapshot()["device_traces"][0]
-    torch.cuda.memory._record_memory_history(enabled=None)
-    at_peak, best = live_at_peak(trace)
-    sites: dict[tuple[str, str], list[int]] = {}
-    for event in at_peak:
-        key = (_phase(event["frames"]), _site(event["frames"]))
-        sites.setdefault(key, []).append(event["size"])
-    gib = 2**30
-    print(
-        f"\n##### peak {name}: {torch.cuda.max_memory_allocated() / gib:.2f} GiB = "
-        f"{before / gib:.2f} GiB held before the step (parameters, optimizer state) + "
-        f"{best / gib:.2f} GiB allocated in it; live at the peak, largest first:"
-    )
-    ranked = sorted(sites.items(), key=lambda item: -sum(item[1]))
-    for (phase, site), sizes in ranked[:30]:
-        print(f"{sum(sizes) / 2**20:9.1f} MiB {len(sizes):4d}x {phase:9s} {site}")
+    print_peak(step, name)
 
 
 def demo_part():
