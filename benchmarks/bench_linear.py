@@ -15,12 +15,19 @@ FLOPs over fp8_time_sec, as a share of --fp8-peak-tflops), and torchao_time_sec 
 torchao_speedup / vs_torchao / torchao_sqnr_db. With --plot, a PNG of the speedups by shape
 (needs matplotlib).
 
+fp8_device_speedup and torchao_device_speedup compare the layers' work on the device alone
+(the kernels' CUDA time from torch.profiler; on a CPU, the operators' own time). A layer
+timed by itself can be host-bound: small layers, and compiled ones, whose wrapper costs
+most of a millisecond of host time per fwd+bwd. Inside a compiled block of a model, with the
+host running ahead, its device time is what the layer costs.
+
 Every row also says what `fp8train.auto_filter` decides for that layer (its tokens, the row's
 recipe and mode): `auto_filter` True converts it, and `auto_filter_speedup` is the layer's
 speedup with the filter on: fp8_speedup where it converts, 1 (the layer stays in high
-precision) where it does not. `--model` times the layers of a model of this repository at its
-tokens per step, so the slowest row of that column answers "with the auto filter on, is any
-layer of this model slower than in bf16?".
+precision) where it does not; `auto_filter_device_speedup` is the same by device time.
+`--model` times the layers of a model of this repository at its tokens per step, so the
+slowest row of those columns answers "with the auto filter on, is any layer of this model
+slower than in bf16?".
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from torch import nn
 
 import fp8train.kernels.cast
 from benchmarks.utils import (
+    device_time_s,
     fp8_peak_tflops,
     markdown_table,
     median_time_s,
@@ -167,6 +175,7 @@ def bench_shape(
         for key, layer in layers.items():
             times[key].append(median_time_s(step(key, layer), device))
     t = {key: statistics.median(values) for key, values in times.items()}
+    busy = {key: device_time_s(step(key, layer), device) for key, layer in layers.items()}
     # A guard on the timed code itself: each float8 output against the reference's (dB).
     with torch.no_grad():
         want = layers["ref"](x)
@@ -185,6 +194,8 @@ def bench_shape(
         "fp8_sqnr_db": sqnr["fp8"],
         "auto_filter": converts,
         "auto_filter_speedup": t["ref"] / t["fp8"] if converts else 1.0,
+        "fp8_device_speedup": busy["ref"] / busy["fp8"],
+        "auto_filter_device_speedup": busy["ref"] / busy["fp8"] if converts else 1.0,
     }
     if "torchao" in t:
         row |= {
@@ -192,6 +203,7 @@ def bench_shape(
             "torchao_speedup": t["ref"] / t["torchao"],
             "vs_torchao": t["torchao"] / t["fp8"],
             "torchao_sqnr_db": sqnr["torchao"],
+            "torchao_device_speedup": busy["ref"] / busy["torchao"],
         }
     return row
 
@@ -324,12 +336,13 @@ def main(args: argparse.Namespace) -> None:
     print(markdown_table(rows, list(dict.fromkeys(key for row in rows for key in row))))
     geomean = statistics.geometric_mean(r["fp8_speedup"] for r in rows)
     print(f"\ngeometric mean fp8_speedup over {len(rows)} rows: {geomean:.3f}x")
-    slowest = min(rows, key=lambda row: row["auto_filter_speedup"])
-    print(
-        f"with auto_filter: {sum(r['auto_filter'] for r in rows)} of {len(rows)} rows converted, "
-        f"slowest {slowest['auto_filter_speedup']:.3f}x ({slowest['name']}, "
-        f"compiled={slowest['compiled']})"
-    )
+    print(f"with auto_filter: {sum(r['auto_filter'] for r in rows)} of {len(rows)} rows converted")
+    for column in ("auto_filter_speedup", "auto_filter_device_speedup"):
+        slowest = min(rows, key=lambda row: row[column])
+        print(
+            f"- slowest by {column}: {slowest[column]:.3f}x ({slowest['name']}, "
+            f"compiled={slowest['compiled']})"
+        )
     if args.csv:
         write_csv(rows, args.csv)
     if args.plot:

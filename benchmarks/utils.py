@@ -98,6 +98,32 @@ def median_time_s(fn, device: torch.device | str, *, warmup: int = 3) -> float: 
     return Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median
 
 
+def device_time_s(fn, device: torch.device | str, *, steps: int = 5) -> float:  # noqa: ANN001
+    """The time `fn()`'s work takes on the device, per call, without the host's: the kernels'
+    summed CUDA time on a GPU (torch.profiler), the operators' own CPU time elsewhere. Where
+    the host keeps ahead of the GPU (a layer inside a compiled block of a real model) this
+    is the layer's wall time; a layer timed alone can be host-bound, and then its wall time
+    measures Python, launches and guards instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    if cuda:
+        total_us = sum(e.self_device_time_total for e in events)
+    else:
+        total_us = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::"))
+    return total_us / steps / 1e6
+
+
 def fp8_peak_tflops(device: torch.device | str, given: float | None = None) -> float | None:
     """The dense float8 peak for '% of peak' columns: `given`, else 1979 TFLOP/s on H100/H200
     (the vendor's dense figure), else None (the column is left empty)."""

@@ -109,7 +109,22 @@ def test_bench_linear_times_a_models_layers_with_the_auto_filters_choice(capsys,
         converts = auto_filter(64, compiled=False)(torch.nn.Linear(k, n, device="meta"), "")
         assert row["auto_filter"] is converts
         assert row["auto_filter_speedup"] == (row["fp8_speedup"] if converts else 1.0)
-    assert "with auto_filter: " in capsys.readouterr().out
+        device = row["fp8_device_speedup"] if converts else 1.0
+        assert row["auto_filter_device_speedup"] == device and row["fp8_device_speedup"] > 0
+    out = capsys.readouterr().out
+    assert "with auto_filter: " in out and "slowest by auto_filter_device_speedup" in out
+
+
+def test_device_time_counts_the_operators_not_the_python_around_them():
+    import time
+
+    from benchmarks.utils import device_time_s
+
+    a = torch.randn(256, 256)
+    busy = device_time_s(lambda: a @ a, "cpu")
+    idle = device_time_s(lambda: (a @ a, time.sleep(0.02)), "cpu")
+    # The sleep is host time: it is in neither figure.
+    assert 0 < busy < 0.01 and 0 < idle < 0.01
 
 
 def test_bench_matmul_runs_a_tiny_shape_on_the_cpu(capsys, monkeypatch):
@@ -156,7 +171,7 @@ def test_profile_host_prints_both_step_times_and_a_profile(capsys):
 
 
 def test_peak_report_names_the_phase_and_the_line_of_an_allocation():
-    from benchmarks.profile_steps import _phase, _site
+    from benchmarks.memory_trace import _phase, _site
 
     def frame(name: str, filename: str, line: int = 1) -> dict:
         return {"name": name, "filename": filename, "line": line}
@@ -174,7 +189,7 @@ def test_peak_report_names_the_phase_and_the_line_of_an_allocation():
 
 
 def test_peak_report_finds_what_is_live_at_the_peak():
-    from benchmarks.profile_steps import live_at_peak
+    from benchmarks.memory_trace import live_at_peak
 
     def event(action: str, addr: int, size: int) -> dict:
         return {"action": action, "addr": addr, "size": size}
