@@ -42,7 +42,7 @@ from fp8train import (
     convert_to_float8_training,
     sync_float8_amax_and_scale_history,
 )
-from fp8train.data import batches, eval_batches, load_text_tokens, train_val_split
+from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize
 from fp8train.models import ModelArgs, Transformer
 
@@ -54,12 +54,15 @@ except ImportError:
 PRESETS: dict[str, dict[str, Any]] = {
     # Minutes on two CPU cores: the float8 path through torch._scaled_mm on the CPU.
     "cpu": dict(dim=128, n_layers=2, n_heads=4, ffn_dim=352, seq_len=128, batch_size=8,
-                steps=150, lr=3e-3, dtype="float32"),
+                steps=150, lr=3e-3, dtype="float32", corpus="docs"),
     # The model: 6 layers, d=4096, 32 heads, FFN 14336, seq 4096, batch 2. lr 1e-4:
     # at 3e-4 (15 warm-up steps) every run's loss spiked from 6 to 15-17 and the runs then
     # drifted apart by up to 11%, bf16 among them (benchmarks/results/e2e_h200_2026-12-03.md).
+    # The docs corpus (~0.4M training tokens) is 6 passes at 300 steps of 8k tokens: the model
+    # memorizes it (1000 steps: train loss 0.02, validation loss rising), so this preset
+    # trains on the standard library's sources too (~11M training tokens).
     "h200": dict(dim=4096, n_layers=6, n_heads=32, ffn_dim=14336, seq_len=4096, batch_size=2,
-                 steps=300, lr=1e-4, dtype="bfloat16"),
+                 steps=300, lr=1e-4, dtype="bfloat16", corpus="stdlib"),
 }  # fmt: skip
 
 CONFIGS = (
@@ -288,6 +291,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add(f"--{key.replace('_', '-')}", type=int)
     add("--lr", type=float)
     add("--dtype", choices=sorted(DTYPES))
+    add("--corpus", choices=CORPORA, help="the text (fp8train.data): docs, or stdlib "
+        "(docs + the standard library's sources, for models that memorize docs)")  # fmt: skip
     add("--configs", nargs="+", choices=CONFIGS, help="runs, bf16 first (default: bf16, "
         "tensorwise, rowwise, and torchao-tensorwise when torchao is importable)")  # fmt: skip
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -336,7 +341,12 @@ def main(args: argparse.Namespace) -> list[dict]:
         f" x {args.grad_accum} micro-batches, {args.steps} steps, {args.dtype} parameters, "
         f"compile={args.compile}, ac={args.ac}"
     )
-    train_tokens, val_tokens = train_val_split(load_text_tokens())
+    train_tokens, val_tokens = train_val_split(load_text_tokens(args.corpus))
+    print(
+        f"corpus {args.corpus}: {len(train_tokens)} training tokens "
+        f"({args.steps * args.grad_accum * args.batch_size * args.seq_len / len(train_tokens):.2f}"
+        f" passes over them), {len(val_tokens)} validation tokens"
+    )
     fits = len(val_tokens) // (args.batch_size * (args.seq_len + 1))
     data = {
         "train": train_tokens,

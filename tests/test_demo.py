@@ -2,6 +2,8 @@ import argparse
 import gc
 import math
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from fp8train.data import (
     eval_batches,
     load_text,
     load_text_tokens,
+    stdlib_sources,
     train_val_split,
 )
 from fp8train.demo import add_demo_arguments, run_demo, saved_activation_bytes, to_float8
@@ -99,6 +102,33 @@ def test_tokens_and_split() -> None:
     assert len(val) == pytest.approx(0.1 * len(tokens), abs=1)
     assert torch.equal(torch.cat([train, val]), tokens)
     assert torch.equal(load_text_tokens(), tokens)
+
+
+def test_stdlib_corpus_is_the_docs_then_the_standard_librarys_sources() -> None:
+    docs, stdlib = load_text_tokens("docs"), load_text_tokens("stdlib")
+    assert torch.equal(stdlib[: len(docs)], docs)
+    # Big enough that the end-to-end preset (300 steps of 8k tokens) stays within one pass.
+    assert len(stdlib) > 5_000_000 and len(stdlib) > 10 * len(docs)
+    sources = stdlib_sources()
+    names = {p.name for p in sources}
+    assert {"argparse.py", "dataclasses.py"} <= names
+    root = Path(sysconfig.get_paths()["stdlib"])
+    relative = [p.relative_to(root) for p in sources]
+    assert not any({"test", "tests", "site-packages"} & set(p.parts) for p in relative)
+    assert [p.as_posix() for p in relative] == sorted(p.as_posix() for p in relative)
+
+
+def test_an_unknown_corpus_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"corpus='wiki' is not one of \('docs', 'stdlib'\)"):
+        load_text_tokens("wiki")
+
+
+def test_stdlib_corpus_without_sources_says_to_use_docs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fp8train.data
+
+    monkeypatch.setattr(fp8train.data, "stdlib_sources", lambda: [])
+    with pytest.raises(RuntimeError, match="use corpus='docs'"):
+        load_text_tokens("stdlib")
 
 
 def test_text_falls_back_to_stdlib_source(monkeypatch: pytest.MonkeyPatch) -> None:

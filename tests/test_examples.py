@@ -63,3 +63,15 @@ def test_several_seeds_compare_each_run_with_the_baseline_of_its_seed(tmp_path, 
 def test_grad_accumulation_and_checkpointing(tmp_path):
     rows = run(tmp_path, "--configs", "bf16", "rowwise", "--grad-accum", "2", "--ac")
     assert rows[1]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.02)
+
+
+def test_the_gpu_preset_trains_on_the_larger_corpus_and_says_how_much_of_it(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    train_llama.add_arguments(parser)
+    gpu = train_llama.resolve(parser.parse_args(["--preset", "h200", "--device", "cpu"]))
+    assert gpu.corpus == "stdlib"
+    assert train_llama.resolve(parser.parse_args(["--device", "cpu"])).corpus == "docs"
+    run(tmp_path, "--configs", "bf16", "--steps", "2", "--corpus", "stdlib")
+    out = capsys.readouterr().out
+    # 2 steps x 4 sequences x 64 tokens over the stdlib corpus's training tokens.
+    assert "corpus stdlib: " in out and "(0.00 passes over them)" in out
