@@ -1,4 +1,5 @@
-"""Byte-level English text that ships with every Python install, so the demo needs no download.
+"""Byte-level text that ships with every Python install, so the demo and the examples need no
+download.
 
 Two corpora:
     docs    the Python reference documentation in `pydoc_data.topics` (~465 KB), which some
