@@ -231,9 +231,9 @@ def compare(rows: list[dict], base_name: str) -> list[dict]:
 
 def summarize(rows: list[dict], base_name: str) -> list[dict]:
     """Over several seeds: each config against the baseline run of the same seed, as the
-    mean and the range of the per-seed figures. One seed's loss difference is not a measure
-    of float8's: runs of the same program can land further apart than the goal
-    (benchmarks/results/e2e_h100_2026-12-05.md)."""
+    mean, its standard error and the range of the per-seed figures. One seed's loss
+    difference is not a measure of float8's: runs of the same program can land further
+    apart than the goal (benchmarks/results/e2e_h100_2026-12-05.md)."""
     by_config: dict[str, list[dict]] = {}
     for seed in dict.fromkeys(row["seed"] for row in rows):
         for entry in compare([row for row in rows if row["seed"] == seed], base_name):
@@ -247,6 +247,11 @@ def summarize(rows: list[dict], base_name: str) -> list[dict]:
         for key in (f"train vs {base_name} %", f"val vs {base_name} %"):
             values = [e[key] for e in entries]
             summary[f"{key} mean"] = statistics.mean(values)
+            # The standard error of that mean: a parity goal is resolved only once the mean
+            # lies within it by more than about two of these.
+            summary[f"{key} sem"] = (
+                statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+            )
             summary[f"{key} range"] = f"{min(values):+.2f} to {max(values):+.2f}"
         table.append(summary)
     return table

@@ -57,6 +57,8 @@ def test_several_seeds_compare_each_run_with_the_baseline_of_its_seed(tmp_path, 
     per_seed = [100 * (rows[i + 1]["val_loss"] / rows[i]["val_loss"] - 1) for i in (0, 2)]
     assert fp8["val vs fp32 % mean"] == pytest.approx(sum(per_seed) / 2)
     assert fp8["val vs fp32 % range"] == f"{min(per_seed):+.2f} to {max(per_seed):+.2f}"
+    # Two seeds: the standard error of the mean is half their distance.
+    assert fp8["val vs fp32 % sem"] == pytest.approx(abs(per_seed[0] - per_seed[1]) / 2)
     assert base["val vs fp32 % mean"] == 0 and fp8["seeds"] == 2
 
 
