@@ -5,8 +5,10 @@ importable, with torchao.float8; compare loss, tokens/s and peak memory.
     python -m examples.train_llama --preset h200 --configs bf16 tensorwise torchao-tensorwise
     python -m fp8train train-llama ...                   # the same, from a checkout
 
-The text is byte-level English that ships with Python (fp8train.data: the reference
-documentation in pydoc_data), so nothing is downloaded. Every run starts from the same weights
+The text is byte-level and ships with Python (fp8train.data), so nothing is downloaded:
+--corpus docs is the reference documentation in pydoc_data, --corpus stdlib (the h200
+preset's) adds the standard library's sources, enough text that the preset's model does not
+memorize it within a run. Every run starts from the same weights
 and sees the same batches; the validation windows are held-out text. Each transformer block is
 compiled on its own with --compile (fullgraph), wrapped in activation checkpointing with --ac.
 With --grad-accum N each optimizer step runs N micro-batches; the float8 runs cast each weight
