@@ -32,13 +32,13 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
 from benchmarks.memory_trace import print_peak
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from fp8train.demo import lm_loss
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 try:
@@ -112,21 +112,15 @@ def blocks_part():
         dim=dim, n_layers=layers, n_heads=dim // 128, ffn_dim=int(os.environ.get("FFN", "14336")),
         max_seq_len=4096,
     )  # fmt: skip
-    from examples.train_llama import convert
-
     torch.manual_seed(0)
-    base = Transformer(a).to("cuda", torch.bfloat16)
+    base = Transformer(a)
     tokens = torch.randint(0, 256, (2, 4096), device="cuda")
     default = "bf16,tensorwise,tensorwise-cast-kernels,tensorwise-keep-hp-input"
     for name in os.environ.get("CONFIGS", default).split(","):
-        torch._dynamo.reset()
-        model = convert(copy.deepcopy(base), name)
-        for block in model.layers:
-            block.compile(fullgraph=True)
+        model = _compiled_blocks(base, name)
 
         def step():
-            loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
-            loss.backward()
+            lm_loss(model, tokens, tokens).backward()
 
         for _ in range(2):
             step()
@@ -168,18 +162,24 @@ def peak_part():
         _peak(name, base, tokens)
 
 
-def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> None:
+def _compiled_blocks(base: nn.Module, name: str) -> nn.Module:
+    """A bf16 CUDA copy of `base` converted as examples/train_llama.py's config `name`, each
+    block compiled with fullgraph=True, as that example trains it."""
     from examples.train_llama import convert
 
     torch._dynamo.reset()
     model = convert(copy.deepcopy(base).to("cuda", torch.bfloat16), name)
     for block in model.layers:
         block.compile(fullgraph=True)
+    return model
+
+
+def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> None:
+    model = _compiled_blocks(base, name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
-        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
-        loss.backward()
+        lm_loss(model, tokens, tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -212,8 +212,7 @@ def demo_part():
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
             def step():
-                loss = F.cross_entropy(fwd(inp).float().flatten(0, 1), inp.flatten())
-                loss.backward()
+                lm_loss(fwd, inp, inp).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
