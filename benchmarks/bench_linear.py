@@ -73,13 +73,29 @@ LLAMA_70B_SHAPES = {
     "ffn.w13": (16384, 8192, 7168),
     "ffn.w2": (16384, 3584, 8192),
 }
-# Models of this repository, one block's layers and lm_head, at their tokens per step.
-MODELS = {
-    # examples/train_llama.py --preset h200: batch 2 x seq 4096
-    "e2e": (ModelArgs(dim=4096, n_layers=1, n_heads=32, ffn_dim=14336), 2 * 4096),
-    # python -m fp8train demo on CUDA: batch 8 x seq 1024
-    "demo": (ModelArgs(dim=1024, n_layers=1, n_heads=16, ffn_dim=llama_ffn_dim(1024)), 8 * 1024),
-}
+
+
+def _models() -> dict[str, tuple[ModelArgs, int]]:
+    """Models of this repository, one block's layers and lm_head, at their tokens per step,
+    read from their presets: e2e is examples/train_llama.py --preset h200, demo is
+    `python -m fp8train demo` on CUDA. (The head count does not change a linear's shape.)"""
+    from examples.train_llama import PRESETS as E2E_PRESETS
+    from fp8train.demo import PRESETS as DEMO_PRESETS
+
+    e2e, demo = E2E_PRESETS["h200"], DEMO_PRESETS["cuda"]
+    return {
+        "e2e": (
+            ModelArgs(dim=e2e["dim"], n_layers=1, n_heads=e2e["n_heads"], ffn_dim=e2e["ffn_dim"]),
+            e2e["batch_size"] * e2e["seq_len"],
+        ),
+        "demo": (
+            ModelArgs(dim=demo["dim"], n_layers=1, ffn_dim=llama_ffn_dim(demo["dim"])),
+            demo["batch_size"] * demo["seq_len"],
+        ),
+    }
+
+
+MODELS = _models()
 
 
 def model_shapes(args: ModelArgs, tokens: int) -> dict[str, tuple[int, int, int]]:
