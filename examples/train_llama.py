@@ -80,6 +80,8 @@ CONFIGS = (
     "torchao-tensorwise",
     "torchao-rowwise",
 )
+BASE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+"""The baseline's name in the tables, by --dtype."""
 WARMUP_STEPS = 5
 """Steps left out of tokens/s: compilation and allocator growth."""
 FINAL_STEPS = 20
@@ -213,8 +215,14 @@ def compare(rows: list[dict], base_name: str) -> list[dict]:
     base = rows[0]
     table = []
     for row in rows:
+        if row is base:
+            label = base_name
+        elif row["config"] == base["config"]:
+            label = f"{base_name} again"  # the baseline repeated: its own spread
+        else:
+            label = row["config"]
         entry = {
-            "config": base_name if row is base else row["config"],
+            "config": label,
             "tokens/s": round(row["tokens_per_s"]),
             f"vs {base_name}": row["tokens_per_s"] / base["tokens_per_s"],
             "peak GiB": row["peak_memory_gib"],
@@ -257,6 +265,50 @@ def summarize(rows: list[dict], base_name: str) -> list[dict]:
             summary[f"{key} range"] = f"{min(values):+.2f} to {max(values):+.2f}"
         table.append(summary)
     return table
+
+
+def print_seed(rows: list[dict], seed: int, base_name: str) -> None:
+    """The table of one seed's runs."""
+    runs = [row for row in rows if row["seed"] == seed]
+    # A cell left empty where a figure does not exist (peak memory on the CPU).
+    table = [{k: v for k, v in r.items() if v is not None} for r in compare(runs, base_name)]
+    print(markdown_table(table, list(table[0])))
+
+
+def print_summary(rows: list[dict], base_name: str) -> None:
+    """The summary over the seeds of `rows`, when they hold several."""
+    seeds = list(dict.fromkeys(row["seed"] for row in rows))
+    if len(seeds) > 1:
+        summary = [
+            {k: v for k, v in r.items() if v is not None} for r in summarize(rows, base_name)
+        ]
+        print(f"\nover {len(seeds)} seeds ({', '.join(map(str, seeds))}), each against "
+              f"{base_name} of the same seed:")  # fmt: skip
+        print(markdown_table(summary, list(summary[0])))
+
+
+def load_runs(paths: list[str]) -> tuple[list[dict], str]:
+    """The runs of several --json files, for one summary over all their seeds, and the name
+    of their baseline."""
+    rows, source, base_names = [], {}, set()
+    for path in paths:
+        with open(path) as handle:
+            record = json.load(handle)
+        runs = record["runs"]
+        base_names.add(BASE_NAMES[record["args"]["dtype"]])
+        for seed in dict.fromkeys(run["seed"] for run in runs):
+            if seed in source:
+                raise SystemExit(
+                    f"seed {seed} is in both {source[seed]} and {path}: each seed's runs must "
+                    "come from one process (they are compared with that process's baseline); "
+                    "leave one of the files out"
+                )
+            source[seed] = path
+        rows += runs
+    if len(base_names) > 1:
+        raise SystemExit(f"the files train in different dtypes ({sorted(base_names)}): "
+                         "summarize runs of one dtype at a time")  # fmt: skip
+    return rows, base_names.pop()
 
 
 def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> None:
@@ -368,7 +420,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     rows = []
     run_environment = environment()
     seeds = args.seeds or [args.seed]
-    base_name = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[args.dtype]
+    base_name = BASE_NAMES[args.dtype]
     for seed in seeds:
         torch.manual_seed(seed)
         with torch.device("cpu"):
@@ -389,17 +441,8 @@ def main(args: argparse.Namespace) -> list[dict]:
             )
             if args.json:  # after every run, so that an interrupted comparison keeps its runs
                 write_json(args, run_environment, rows)
-        # A cell left empty where a figure does not exist (peak memory on the CPU).
-        runs = [row for row in rows if row["seed"] == seed]
-        table = [{k: v for k, v in r.items() if v is not None} for r in compare(runs, base_name)]
-        print(markdown_table(table, list(table[0])))
-    if len(seeds) > 1:
-        summary = [
-            {k: v for k, v in r.items() if v is not None} for r in summarize(rows, base_name)
-        ]
-        print(f"\nover {len(seeds)} seeds ({', '.join(map(str, seeds))}), each against "
-              f"{base_name} of the same seed:")  # fmt: skip
-        print(markdown_table(summary, list(summary[0])))
+        print_seed(rows, seed, base_name)
+    print_summary(rows, base_name)
     if args.plot:
         plot(rows, args.plot, caption_of(run_environment))
         print(f"loss curves: {args.plot}")
@@ -411,8 +454,20 @@ if __name__ == "__main__":
     add_arguments(parser)
     parser.add_argument("--plot-json", help="only plot a --json file of an earlier run to --plot")
     parser.add_argument("--caption", help="with --plot-json: the caption (default: the file's)")
+    parser.add_argument(
+        "--summarize-json",
+        nargs="+",
+        metavar="JSON",
+        help="only print the tables of earlier runs' --json files, one summary over their seeds",
+    )
     parsed = parser.parse_args()
-    if parsed.plot_json:
+    if parsed.summarize_json:
+        runs, base = load_runs(parsed.summarize_json)
+        for seed in dict.fromkeys(run["seed"] for run in runs):
+            print(f"seed {seed}:")
+            print_seed(runs, seed, base)
+        print_summary(runs, base)
+    elif parsed.plot_json:
         with open(parsed.plot_json) as handle:
             record = json.load(handle)
         caption = parsed.caption or caption_of(record.get("environment", {}))

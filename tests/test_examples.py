@@ -77,3 +77,61 @@ def test_the_gpu_preset_trains_on_the_larger_corpus_and_says_how_much_of_it(tmp_
     out = capsys.readouterr().out
     # 2 steps x 4 sequences x 64 tokens over the stdlib corpus's training tokens.
     assert "corpus stdlib: " in out and "(0.00 passes over them)" in out
+
+
+def _run_record(path, dtype: str, runs: list[tuple[str, int, float]]) -> str:  # noqa: ANN001
+    """A --json file holding runs of (config, seed, val loss)."""
+    rows = [
+        {"config": config, "seed": seed, "losses": [2.0], "final_train_loss": 2.0,
+         "val_loss": val, "step_ms": 10.0, "tokens_per_s": 100.0, "peak_memory_gib": None}
+        for config, seed, val in runs
+    ]  # fmt: skip
+    path.write_text(json.dumps({"args": {"dtype": dtype}, "environment": {}, "runs": rows}))
+    return str(path)
+
+
+def test_runs_of_several_json_files_are_summarized_over_all_their_seeds(tmp_path, capsys):
+    first = _run_record(
+        tmp_path / "a.json", "bfloat16",
+        [("bf16", 0, 2.0), ("tensorwise", 0, 2.02), ("bf16", 1, 2.0), ("tensorwise", 1, 1.98)],
+    )  # fmt: skip
+    second = _run_record(
+        tmp_path / "b.json", "bfloat16",
+        [("bf16", 2, 2.0), ("bf16", 2, 2.1), ("tensorwise", 2, 2.04)],
+    )  # fmt: skip
+    rows, base = train_llama.load_runs([first, second])
+    assert base == "bf16" and [r["seed"] for r in rows] == [0, 0, 1, 1, 2, 2, 2]
+    summary = {entry["config"]: entry for entry in train_llama.summarize(rows, base)}
+    assert summary["tensorwise"]["seeds"] == 3
+    assert summary["tensorwise"]["val vs bf16 % mean"] == pytest.approx((1 - 1 + 2) / 3)
+    # The baseline run again in one process is its own row, not mixed into the baseline's.
+    assert summary["bf16"]["val vs bf16 % mean"] == 0
+    assert summary["bf16 again"]["seeds"] == 1
+    assert summary["bf16 again"]["val vs bf16 % mean"] == pytest.approx(5)
+
+    train_llama.print_summary(rows, base)
+    assert "over 3 seeds (0, 1, 2)" in capsys.readouterr().out
+
+
+def test_summarizing_json_files_refuses_a_seed_twice_and_mixed_dtypes(tmp_path):
+    first = _run_record(tmp_path / "a.json", "bfloat16", [("bf16", 0, 2.0)])
+    again = _run_record(tmp_path / "b.json", "bfloat16", [("bf16", 0, 2.1)])
+    with pytest.raises(SystemExit, match="seed 0 is in both .*a.json and .*b.json"):
+        train_llama.load_runs([first, again])
+    fp32 = _run_record(tmp_path / "c.json", "float32", [("bf16", 1, 2.0)])
+    with pytest.raises(SystemExit, match="different dtypes"):
+        train_llama.load_runs([first, fp32])
+
+
+def test_summarize_json_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    first = _run_record(tmp_path / "a.json", "bfloat16", [("bf16", 0, 2.0), ("tensorwise", 0, 2.1)])
+    second = _run_record(tmp_path / "b.json", "bfloat16", [("bf16", 1, 2.0), ("tensorwise", 1, 2)])
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.train_llama", "--summarize-json", first, second],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "seed 0:" in out and "seed 1:" in out and "over 2 seeds (0, 1)" in out
+    assert "| tensorwise | 2 |" in out
