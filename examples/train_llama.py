@@ -288,8 +288,8 @@ def print_summary(rows: list[dict], base_name: str) -> None:
 
 
 def load_runs(paths: list[str]) -> tuple[list[dict], str]:
-    """The runs of several --json files, for one summary over all their seeds, and the name
-    of their baseline."""
+    """The runs of several --json files in the order of their seeds, for one summary over all
+    of them, and the name of their baseline."""
     rows, source, base_names = [], {}, set()
     for path in paths:
         with open(path) as handle:
@@ -308,6 +308,7 @@ def load_runs(paths: list[str]) -> tuple[list[dict], str]:
     if len(base_names) > 1:
         raise SystemExit(f"the files train in different dtypes ({sorted(base_names)}): "
                          "summarize runs of one dtype at a time")  # fmt: skip
+    rows.sort(key=lambda run: run["seed"])  # stable: each seed's runs keep their order
     return rows, base_names.pop()
 
 

@@ -99,8 +99,9 @@ def test_runs_of_several_json_files_are_summarized_over_all_their_seeds(tmp_path
         tmp_path / "b.json", "bfloat16",
         [("bf16", 2, 2.0), ("bf16", 2, 2.1), ("tensorwise", 2, 2.04)],
     )  # fmt: skip
-    rows, base = train_llama.load_runs([first, second])
+    rows, base = train_llama.load_runs([second, first])
     assert base == "bf16" and [r["seed"] for r in rows] == [0, 0, 1, 1, 2, 2, 2]
+    assert [r["val_loss"] for r in rows if r["seed"] == 2] == [2.0, 2.1, 2.04]
     summary = {entry["config"]: entry for entry in train_llama.summarize(rows, base)}
     assert summary["tensorwise"]["seeds"] == 3
     assert summary["tensorwise"]["val vs bf16 % mean"] == pytest.approx((1 - 1 + 2) / 3)
