@@ -210,9 +210,9 @@ def train(
 
 
 def compare(rows: list[dict], base_name: str) -> list[dict]:
-    """Each run against the first (no float8): tokens/s and memory ratios, loss differences
-    in %."""
-    base = rows[0]
+    """Each run against the first run without float8 (config "bf16", in --dtype): tokens/s
+    and memory ratios, loss differences in %."""
+    base = next(row for row in rows if row["config"] == "bf16")
     table = []
     for row in rows:
         if row is base:
@@ -303,6 +303,8 @@ def load_runs(paths: list[str]) -> tuple[list[dict], str]:
                     "come from one process (they are compared with that process's baseline); "
                     "leave one of the files out"
                 )
+            if not any(run["config"] == "bf16" and run["seed"] == seed for run in runs):
+                raise SystemExit(f"{path} has no bf16 run of seed {seed} to compare with")
             source[seed] = path
         rows += runs
     if len(base_names) > 1:
@@ -353,8 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", choices=sorted(DTYPES))
     add("--corpus", choices=CORPORA, help="the text (fp8train.data): docs, or stdlib "
         "(docs + the standard library's sources, for models that memorize docs)")  # fmt: skip
-    add("--configs", nargs="+", choices=CONFIGS, help="runs, bf16 first (default: bf16, "
-        "tensorwise, rowwise, and torchao-tensorwise when torchao is importable)")  # fmt: skip
+    add("--configs", nargs="+", choices=CONFIGS, help="runs, in this order (bf16 first if "
+        "not named; a config named twice runs twice; default: bf16, tensorwise, rowwise, and "
+        "torchao-tensorwise when torchao is importable)")  # fmt: skip
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add("--compile", action="store_true", help="torch.compile each transformer block")
     add("--ac", action="store_true", help="activation checkpointing of each block")
@@ -377,8 +380,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.configs = ["bf16", "tensorwise", "rowwise"]
         if torchao_float8 is not None:
             args.configs.append("torchao-tensorwise")
-    if args.configs[0] != "bf16":
-        args.configs = ["bf16", *[c for c in args.configs if c != "bf16"]]
+    if "bf16" not in args.configs:  # every run is compared with a baseline of its seed
+        args.configs = ["bf16", *args.configs]
     missing = [c for c in args.configs if c.startswith("torchao-") and torchao_float8 is None]
     if missing:
         raise SystemExit(f"{', '.join(missing)}: torchao is not importable (pip install torchao)")

@@ -122,6 +122,28 @@ def test_summarizing_json_files_refuses_a_seed_twice_and_mixed_dtypes(tmp_path):
     fp32 = _run_record(tmp_path / "c.json", "float32", [("bf16", 1, 2.0)])
     with pytest.raises(SystemExit, match="different dtypes"):
         train_llama.load_runs([first, fp32])
+    no_base = _run_record(tmp_path / "d.json", "bfloat16", [("tensorwise", 3, 2.0)])
+    with pytest.raises(SystemExit, match="d.json has no bf16 run of seed 3"):
+        train_llama.load_runs([first, no_base])
+
+
+def test_configs_run_in_the_order_given_and_compare_with_the_first_baseline_run(tmp_path):
+    # float8 before the baseline, then the baseline twice: a check that a run's place in the
+    # process does not move its loss.
+    rows = run(tmp_path, "--configs", "tensorwise", "bf16", "bf16", "--steps", "3")
+    assert [r["config"] for r in rows] == ["tensorwise", "bf16", "bf16"]
+    table = {entry["config"]: entry for entry in train_llama.compare(rows, "fp32")}
+    assert table["fp32"]["val vs fp32 %"] == 0
+    # fp32 is deterministic on the CPU: the repeat lands on the same losses.
+    assert table["fp32 again"]["val vs fp32 %"] == 0
+    assert rows[2]["losses"] == rows[1]["losses"]
+    assert table["tensorwise"]["val vs fp32 %"] == pytest.approx(
+        100 * (rows[0]["val_loss"] / rows[1]["val_loss"] - 1)
+    )
+    # Without the baseline named, it runs first.
+    assert [r["config"] for r in run(tmp_path, "--configs", "rowwise", "--steps", "2")] == [
+        "bf16", "rowwise",
+    ]  # fmt: skip
 
 
 def test_summarize_json_from_the_command_line(tmp_path):
