@@ -214,13 +214,15 @@ def compare(rows: list[dict], base_name: str) -> list[dict]:
     and memory ratios, loss differences in %."""
     base = next(row for row in rows if row["config"] == "bf16")
     table = []
+    runs_of: dict[str, int] = {}
     for row in rows:
-        if row is base:
-            label = base_name
-        elif row["config"] == base["config"]:
-            label = f"{base_name} again"  # the baseline repeated: its own spread
-        else:
-            label = row["config"]
+        # A config run again in the process is its own row (for the baseline: its own spread).
+        label = base_name if row["config"] == "bf16" else row["config"]
+        runs_of[label] = runs_of.get(label, 0) + 1
+        if runs_of[label] == 2:
+            label = f"{label} again"
+        elif runs_of[label] > 2:
+            label = f"{label} again ({runs_of[label]})"
         entry = {
             "config": label,
             "tokens/s": round(row["tokens_per_s"]),

@@ -140,6 +140,9 @@ def test_configs_run_in_the_order_given_and_compare_with_the_first_baseline_run(
     assert table["tensorwise"]["val vs fp32 %"] == pytest.approx(
         100 * (rows[0]["val_loss"] / rows[1]["val_loss"] - 1)
     )
+    # Any config named again is its own row, as is a third run.
+    labels = [e["config"] for e in train_llama.compare(rows + rows[:2], "fp32")]
+    assert labels == ["tensorwise", "fp32", "fp32 again", "tensorwise again", "fp32 again (3)"]
     # Without the baseline named, it runs first.
     assert [r["config"] for r in run(tmp_path, "--configs", "rowwise", "--steps", "2")] == [
         "bf16", "rowwise",
