@@ -342,6 +342,42 @@ def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> No
     figure.savefig(path, dpi=150, metadata={"Description": caption} if caption else None)
 
 
+def plot_differences(
+    rows: list[dict], base_name: str, path: str, caption: str = "", goal: float = 0.5
+) -> None:
+    """Each run's final validation loss against the first baseline run of its seed, one
+    point per seed and config, with each config's mean and its standard error, beside the
+    +-`goal` % band of the loss-parity goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = f"val vs {base_name} %"
+    by_config: dict[str, list[float]] = {}
+    for seed in dict.fromkeys(row["seed"] for row in rows):
+        for entry in compare([row for row in rows if row["seed"] == seed], base_name):
+            if entry["config"] != base_name:
+                by_config.setdefault(entry["config"], []).append(entry[key])
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.axhspan(-goal, goal, color="0.9", label=f"within {goal}% of {base_name}")
+    axes.axhline(0, color="0.5", linewidth=0.8)
+    for x, values in enumerate(by_config.values()):
+        axes.scatter([x] * len(values), values, s=14, alpha=0.6)
+        sem = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+        label = "mean and its standard error" if x == 0 else None
+        axes.errorbar(x + 0.15, statistics.mean(values), yerr=sem, fmt="o", color="black",
+                      capsize=4, label=label)  # fmt: skip
+    axes.set_xticks(range(len(by_config)), [f"{c}\n({len(v)} seeds)" for c, v in by_config.items()])
+    axes.set_xlim(-0.5, len(by_config) - 0.5)
+    axes.set_ylabel(f"val loss vs {base_name} of its seed, %")
+    axes.legend(loc="upper right", fontsize=8)
+    if caption:
+        figure.text(0.01, 0.01, caption, fontsize=6, wrap=True)
+    figure.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
+    figure.savefig(path, dpi=150, metadata={"Description": caption} if caption else None)
+
+
 def caption_of(environment: dict[str, str]) -> str:
     keys = ("device", "torch", "date", "command")
     return " | ".join(environment[key] for key in keys if key in environment)
@@ -464,7 +500,8 @@ if __name__ == "__main__":
         "--summarize-json",
         nargs="+",
         metavar="JSON",
-        help="only print the tables of earlier runs' --json files, one summary over their seeds",
+        help="only print the tables of earlier runs' --json files, one summary over their "
+        "seeds; with --plot, each run's validation loss difference by config",
     )
     parsed = parser.parse_args()
     if parsed.summarize_json:
@@ -473,6 +510,9 @@ if __name__ == "__main__":
             print(f"seed {seed}:")
             print_seed(runs, seed, base)
         print_summary(runs, base)
+        if parsed.plot:
+            plot_differences(runs, base, parsed.plot, parsed.caption or "")
+            print(f"differences by seed: {parsed.plot}")
     elif parsed.plot_json:
         with open(parsed.plot_json) as handle:
             record = json.load(handle)

@@ -2,6 +2,7 @@
 the plot are written, gradient accumulation and activation checkpointing run."""
 
 import argparse
+import importlib.util
 import json
 
 import pytest
@@ -112,6 +113,9 @@ def test_runs_of_several_json_files_are_summarized_over_all_their_seeds(tmp_path
 
     train_llama.print_summary(rows, base)
     assert "over 3 seeds (0, 1, 2)" in capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib"):
+        train_llama.plot_differences(rows, base, str(tmp_path / "differences.png"), "a caption")
+        assert (tmp_path / "differences.png").stat().st_size > 0
 
 
 def test_summarizing_json_files_refuses_a_seed_twice_and_mixed_dtypes(tmp_path):
