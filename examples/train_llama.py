@@ -241,17 +241,23 @@ def compare(rows: list[dict], base_name: str) -> list[dict]:
     return table
 
 
+def entries_by_config(rows: list[dict], base_name: str) -> dict[str, list[dict]]:
+    """`compare`'s entries of every seed, grouped by config (by row label: a repeat is its
+    own config)."""
+    by_config: dict[str, list[dict]] = {}
+    for seed in dict.fromkeys(row["seed"] for row in rows):
+        for entry in compare([row for row in rows if row["seed"] == seed], base_name):
+            by_config.setdefault(entry["config"], []).append(entry)
+    return by_config
+
+
 def summarize(rows: list[dict], base_name: str) -> list[dict]:
     """Over several seeds: each config against the baseline run of the same seed, as the
     mean, its standard error and the range of the per-seed figures. One seed's loss
     difference is not a measure of float8's: runs of the same program can land further
     apart than the goal (benchmarks/results/e2e_h100_2026-12-05.md)."""
-    by_config: dict[str, list[dict]] = {}
-    for seed in dict.fromkeys(row["seed"] for row in rows):
-        for entry in compare([row for row in rows if row["seed"] == seed], base_name):
-            by_config.setdefault(entry["config"], []).append(entry)
     table = []
-    for config, entries in by_config.items():
+    for config, entries in entries_by_config(rows, base_name).items():
         summary = {"config": config, "seeds": len(entries)}
         for key in (f"vs {base_name}", f"memory vs {base_name}"):
             values = [e[key] for e in entries if e[key] is not None]
@@ -353,12 +359,11 @@ def plot_differences(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = f"val vs {base_name} %"
-    by_config: dict[str, list[float]] = {}
-    for seed in dict.fromkeys(row["seed"] for row in rows):
-        for entry in compare([row for row in rows if row["seed"] == seed], base_name):
-            if entry["config"] != base_name:
-                by_config.setdefault(entry["config"], []).append(entry[key])
+    by_config = {
+        config: [entry[f"val vs {base_name} %"] for entry in entries]
+        for config, entries in entries_by_config(rows, base_name).items()
+        if config != base_name
+    }
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.axhspan(-goal, goal, color="0.9", label=f"within {goal}% of {base_name}")
     axes.axhline(0, color="0.5", linewidth=0.8)
@@ -495,7 +500,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     parser.add_argument("--plot-json", help="only plot a --json file of an earlier run to --plot")
-    parser.add_argument("--caption", help="with --plot-json: the caption (default: the file's)")
+    parser.add_argument("--caption", help="with --plot-json (default: the file's) or "
+                        "--summarize-json: the plot's caption")  # fmt: skip
     parser.add_argument(
         "--summarize-json",
         nargs="+",
