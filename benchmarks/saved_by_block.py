@@ -3,6 +3,7 @@ the tensors inductor's partitioner keeps (dtype, shape, MiB), parameters apart.
 
     python -m benchmarks.saved_by_block                     # CPU, a small block, inductor
     python -m benchmarks.saved_by_block --opaque-casts      # compiled_cast_kernels as on a GPU
+    python -m benchmarks.saved_by_block --float8-swiglu     # SwiGLU's inputs kept in float8
     python -m benchmarks.saved_by_block --dim 4096 --ffn-dim 14336 --heads 32 --tokens 8192
 
 A float8 copy kept for backward shows as a float8 row; an input recast in backward leaves
@@ -139,7 +140,11 @@ def main(args: argparse.Namespace) -> list[dict]:
         fp8train.cast._cast_ops = _opaque_cast_ops
     print_environment()
     block_args = ModelArgs(
-        dim=args.dim, n_heads=args.heads, ffn_dim=args.ffn_dim, max_seq_len=args.tokens
+        dim=args.dim,
+        n_heads=args.heads,
+        ffn_dim=args.ffn_dim,
+        max_seq_len=args.tokens,
+        float8_swiglu=args.float8_swiglu,
     )
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -163,6 +168,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ffn-dim", type=int, default=896)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument(
+        "--float8-swiglu",
+        action="store_true",
+        help="the block's SwiGLU keeps its two inputs in float8 (fp8train.float8_swiglu)",
+    )
     parser.add_argument(
         "--opaque-casts",
         action="store_true",

@@ -46,7 +46,7 @@ from fp8train import (
 )
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize
-from fp8train.models import ModelArgs, Transformer
+from fp8train.models import FeedForward, ModelArgs, Transformer
 
 try:
     import torchao.float8 as torchao_float8
@@ -74,6 +74,7 @@ CONFIGS = (
     "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
     "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
+    "tensorwise-float8-swiglu",  # and SwiGLU keeps its two inputs in float8 (float8_swiglu)
     "rowwise",
     "rowwise_with_gw_hp",
     "blockwise",
@@ -117,6 +118,11 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         config = Float8LinearConfig(compiled_cast_kernels=True)
     elif name == "tensorwise-keep-hp-input":
         config = Float8LinearConfig(recompute_input_cast=True)
+    elif name == "tensorwise-float8-swiglu":
+        config = Float8LinearConfig()
+        for module in model.modules():
+            if isinstance(module, FeedForward):
+                module.float8_swiglu = True
     else:
         config = Float8LinearConfig.from_recipe_name(name)
     return convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)

@@ -10,6 +10,7 @@ private and may change.
 from fp8train import ops as _ops  # noqa: F401  registers Float8Tensor's op table
 from fp8train import stats
 from fp8train.accumulate import cast_weights_once
+from fp8train.activations import float8_swiglu
 from fp8train.cast import to_float8
 from fp8train.config import (
     CastConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "Float8Tensor",
     # functional
     "float8_matmul",
+    "float8_swiglu",
     "to_float8",
     # numerics
     "compute_error",

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8train.activations import float8_swiglu
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -29,6 +31,8 @@ class ModelArgs:
     max_seq_len: int = 128
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    float8_swiglu: bool = False
+    """Keep SwiGLU's two inputs for backward in float8 (fp8train.activations)."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -100,16 +104,20 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: silu(x W1) * (x W3), projected back by W2."""
+    """SwiGLU: silu(x W1) * (x W3), projected back by W2. With `float8_swiglu` (an attribute,
+    from ModelArgs) the two halves are kept for backward in float8 (fp8train.activations)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.float8_swiglu = args.float8_swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w1(x), self.w3(x)
+        hidden = float8_swiglu(gate, up) if self.float8_swiglu else F.silu(gate) * up
+        return self.w2(hidden)
 
 
 class TransformerBlock(nn.Module):

@@ -31,6 +31,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
         "tensorwise-delayed-one-pass",
         "tensorwise-cast-kernels",
         "tensorwise-keep-hp-input",
+        "tensorwise-float8-swiglu",
     ]
     rows = run(tmp_path, "--configs", *configs, "--plot", str(plot))
     assert [r["config"] for r in rows] == configs

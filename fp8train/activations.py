@@ -1,0 +1,121 @@
+"""Activations kept for backward in float8: SwiGLU's two inputs.
+
+A LLaMA-style feed-forward computes `w2(silu(w1(x)) * w3(x))`. Float8 linears keep their own
+inputs in float8 (or recast them), but the SwiGLU between them keeps its two halves, `gate =
+w1(x)` and `up = w3(x)`, in bf16 for its backward: 4 bytes per hidden element, the largest
+activation of a block (eager PyTorch also keeps `silu(gate)`: 6 bytes). `float8_swiglu` keeps
+e4m3 copies of the two halves instead, with one scale per row (token), and computes its output
+from those same copies, so that backward's recomputation (of the output, for w2's grad_weight
+gemm, and of SwiGLU's gradients) sees exactly what forward used: 2 bytes per hidden element.
+Keeping the inputs of nonlinear ops in float8 is what DeepSeek-V3 (for SwiGLU) and COAT do.
+
+Under torch.compile the copies are made in a selective activation-checkpoint region tagged
+MUST_SAVE (as fp8train.policy does for linear inputs): the partitioner keeps the float8 copies
+and their scales, and neither bf16 half. Because forward's output is computed from the copies,
+the partitioner cannot keep the bf16 halves instead: backward needs the copies, which only the
+halves could remake.
+
+Numerics: the output carries e4m3 rounding (at most 2**-4 relative per element, per-token
+scales), on top of the float8 cast that w2's gemm makes of it anyway. The gradients are the
+exact SwiGLU gradients at the quantized point; the quantization itself is passed straight
+through.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from fp8train.cast import to_float8
+from fp8train.config import ScalingGranularity
+from fp8train.policy import _SAVE_POLICIES
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def float8_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, float8_dtype: torch.dtype = torch.float8_e4m3fn
+) -> torch.Tensor:
+    """`silu(gate) * up`, keeping only float8 copies of `gate` and `up` for backward (and
+    computing the output from them).
+
+    gate, up: the same shape (..., F) and floating dtype; each row of F elements gets its own
+    scale. Returns a tensor of that shape and dtype.
+    """
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"float8_swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one "
+            "shape (the outputs of w1 and w3 for the same input)"
+        )
+    if gate.dtype != up.dtype or not gate.is_floating_point() or gate.element_size() == 1:
+        raise ValueError(
+            f"float8_swiglu: gate ({gate.dtype}) and up ({up.dtype}) must share one high-"
+            "precision floating dtype (float32, bfloat16 or float16)"
+        )
+    if float8_dtype not in FLOAT8_DTYPES:
+        raise ValueError(
+            f"float8_swiglu: float8_dtype={float8_dtype} is not one of {FLOAT8_DTYPES}"
+        )
+    if gate.dim() == 0 or gate.numel() == 0:
+        raise ValueError(f"float8_swiglu: gate of shape {tuple(gate.shape)} has no rows to scale")
+    if torch.compiler.is_compiling():
+        keep = functools.partial(create_selective_checkpoint_contexts, _SAVE_POLICIES[True])
+        copies = checkpoint(_copies, gate, up, float8_dtype, use_reentrant=False, context_fn=keep)
+    else:
+        copies = _copies(gate, up, float8_dtype)
+    return _Float8SwiGLU.apply(gate, up, *copies)
+
+
+def _copies(
+    gate: torch.Tensor, up: torch.Tensor, float8_dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """(gate_fp8, gate_scale, up_fp8, up_scale): rowwise casts along the last dim, 2-D."""
+    with torch.no_grad():  # the gradient passes straight through, in _Float8SwiGLU
+        casts = [
+            to_float8(
+                hp.reshape(-1, hp.shape[-1]),
+                float8_dtype,
+                ScalingGranularity.ROWWISE,
+                reduce_dim=-1,
+            )
+            for hp in (gate, up)
+        ]
+    return tuple(t for fp8 in casts for t in (fp8._data, fp8._scale))
+
+
+def _dequantized(data: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return (data.to(torch.float32) / scale).reshape(shape)
+
+
+class _Float8SwiGLU(torch.autograd.Function):
+    """silu(gate) * up at the float8 copies' values; backward from the copies alone."""
+
+    @staticmethod
+    def forward(  # noqa: D102
+        ctx: torch.autograd.function.FunctionCtx,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        gate_fp8: torch.Tensor,
+        gate_scale: torch.Tensor,
+        up_fp8: torch.Tensor,
+        up_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(gate_fp8, gate_scale, up_fp8, up_scale)
+        ctx.shape, ctx.dtype = gate.shape, gate.dtype
+        a = _dequantized(gate_fp8, gate_scale, gate.shape)
+        b = _dequantized(up_fp8, up_scale, gate.shape)
+        return (F.silu(a) * b).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205, D102
+        gate_fp8, gate_scale, up_fp8, up_scale = ctx.saved_tensors
+        a = _dequantized(gate_fp8, gate_scale, ctx.shape)
+        b = _dequantized(up_fp8, up_scale, ctx.shape)
+        g = grad.to(torch.float32)
+        sigmoid = torch.sigmoid(a)
+        grad_gate = g * b * sigmoid * (1 + a * (1 - sigmoid))
+        grad_up = g * a * sigmoid
+        return grad_gate.to(ctx.dtype), grad_up.to(ctx.dtype), None, None, None, None

@@ -1,0 +1,162 @@
+"""fp8train.float8_swiglu: SwiGLU whose two inputs are kept for backward in float8."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from benchmarks.saved_by_block import saved_by_backward
+from fp8train import Float8LinearConfig, compute_error, convert_to_float8_training, float8_swiglu
+from fp8train.cast import to_float8
+from fp8train.config import ScalingGranularity
+from fp8train.models import FeedForward, ModelArgs, Transformer
+
+E4M3 = torch.float8_e4m3fn
+
+
+def halves(rows: int = 64, hidden: int = 96, dtype: torch.dtype = torch.float32, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(2, rows // 2, hidden, generator=generator) * 3 for _ in range(2))
+    return gate.to(dtype).requires_grad_(), up.to(dtype).requires_grad_()
+
+
+def dequantized(hp: torch.Tensor) -> torch.Tensor:
+    """hp at its float8 copy's values: what float8_swiglu computes from."""
+    fp8 = to_float8(hp.reshape(-1, hp.shape[-1]), E4M3, ScalingGranularity.ROWWISE, reduce_dim=-1)
+    return fp8.to_hp(torch.float32).reshape(hp.shape)
+
+
+def test_output_and_gradients_are_swiglu_at_the_float8_copies():
+    gate, up = halves()
+    grad = torch.randn_like(gate)
+    out = float8_swiglu(gate, up)
+    out.backward(grad)
+    # The reference: SwiGLU by autograd at the float8 copies' values.
+    a = dequantized(gate.detach()).requires_grad_()
+    b = dequantized(up.detach()).requires_grad_()
+    reference = F.silu(a) * b
+    reference.backward(grad)
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gate.grad, a.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(up.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_close_to_high_precision_swiglu():
+    gate, up = halves(dtype=torch.bfloat16)
+    grad = torch.randn_like(gate)
+    float8_swiglu(gate, up).backward(grad)
+    fp8_grads = gate.grad.clone(), up.grad.clone()
+    gate.grad = up.grad = None
+    reference = F.silu(gate.float()) * up.float()
+    (reference.to(gate.dtype)).backward(grad)
+    out = float8_swiglu(gate.detach(), up.detach())
+    # e4m3 with a scale per row: about 30 dB; below 25 would mean a wrong scale or layout.
+    assert compute_error(reference, out) > 25
+    for fp8_grad, hp_grad in zip(fp8_grads, (gate.grad, up.grad), strict=True):
+        assert fp8_grad.dtype == torch.bfloat16
+        assert compute_error(hp_grad, fp8_grad) > 25
+
+
+def test_backward_keeps_only_the_float8_copies_and_their_scales():
+    gate, up = halves(rows=64, hidden=96)
+    saved = []
+
+    def pack(tensor):  # noqa: ANN001, ANN202
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        float8_swiglu(gate, up)
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == [
+        ("torch.float32", (64, 1)),
+        ("torch.float32", (64, 1)),
+        ("torch.float8_e4m3fn", (64, 96)),
+        ("torch.float8_e4m3fn", (64, 96)),
+    ]
+    # Plain PyTorch keeps gate, silu(gate) and up in the inputs' precision.
+    plain = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: plain.append(t) or t, lambda t: t):
+        F.silu(gate) * up
+    bytes_of = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    assert bytes_of(saved) < bytes_of(plain) / 5
+
+
+@pytest.mark.parametrize("float8_linears", [False, True])
+def test_compiled_feed_forward_keeps_the_float8_halves_and_neither_hp_half(float8_linears):
+    torch.manual_seed(0)
+    ffn = FeedForward(ModelArgs(dim=64, ffn_dim=192, float8_swiglu=True))
+    if float8_linears:
+        convert_to_float8_training(ffn, config=Float8LinearConfig())
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    saved = saved_by_backward(ffn, x)
+    # Activations of the hidden width (w2's weight, (64, 192), apart).
+    hidden = sorted(str(t.dtype) for t in saved if tuple(t.shape) == (128, 192))
+    if float8_linears:
+        # The two float8 halves alone: backward remakes w2's float8 input from them, as
+        # forward made it.
+        assert hidden == ["torch.float8_e4m3fn", "torch.float8_e4m3fn"]
+    else:
+        # A high-precision w2 keeps its own input (SwiGLU's output) for its grad_weight.
+        assert hidden == ["torch.float32", "torch.float8_e4m3fn", "torch.float8_e4m3fn"]
+
+
+def test_compiles_without_graph_breaks_and_matches_eager():
+    torch.manual_seed(0)
+    ffn = FeedForward(ModelArgs(dim=64, ffn_dim=192, float8_swiglu=True))
+    convert_to_float8_training(ffn, config=Float8LinearConfig())
+    compiled_ffn = copy.deepcopy(ffn)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_ffn, fullgraph=True, backend=counter)
+    x = torch.randn(2, 32, 64)
+    for module in (ffn, compiled):
+        module(x).square().sum().backward()
+    assert counter.frame_count == 1
+    for eager_p, compiled_p in zip(ffn.parameters(), compiled_ffn.parameters(), strict=True):
+        torch.testing.assert_close(compiled_p.grad, eager_p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_composes_with_activation_checkpointing():
+    gate, up = halves()
+    grad = torch.randn_like(gate)
+    float8_swiglu(gate, up).backward(grad)
+    expected = gate.grad.clone(), up.grad.clone()
+    gate.grad = up.grad = None
+    out = torch.utils.checkpoint.checkpoint(float8_swiglu, gate, up, use_reentrant=False)
+    out.backward(grad)
+    torch.testing.assert_close(gate.grad, expected[0])
+    torch.testing.assert_close(up.grad, expected[1])
+
+
+def test_a_model_with_float8_swiglu_trains():
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(float8_swiglu=True))
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(8):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.parametrize(
+    ("gate", "up", "kwargs", "match"),
+    [
+        (torch.randn(4, 8), torch.randn(4, 16), {}, "must have one shape"),
+        (torch.randn(4, 8), torch.randn(4, 8, dtype=torch.bfloat16), {}, "one high-precision"),
+        (torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32), {}, "floating"),
+        (torch.randn(4, 8), torch.randn(4, 8), {"float8_dtype": torch.bfloat16}, "is not one of"),
+        (torch.randn(()), torch.randn(()), {}, "no rows to scale"),
+    ],
+)
+def test_bad_input_is_refused_by_name(gate, up, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        float8_swiglu(gate, up, **kwargs)
