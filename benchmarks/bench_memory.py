@@ -10,7 +10,9 @@ Configs: "fp8 default" recomputes the weight cast and, compiled, lets the partit
 between the float8 and the hp input; "keep-fp8-input" forces the float8 input (what eager mode
 keeps by default); "keep-weight" keeps the float8 weight; "keep-hp-input" the hp input;
 "cast-kernels" is the default policy with compiled_cast_kernels=True (in eager mode the same
-as "fp8 default"; compiled, the casts are fp8train's triton ops).
+as "fp8 default"; compiled, the casts are fp8train's triton ops); "float8-swiglu" is the
+default policy with the llama blocks' SwiGLU keeping its two inputs in float8
+(fp8train.float8_swiglu; in the linear cases the same as "fp8 default").
 
 Cases:
     linear-4096    10 x Linear(4096, 4096, bias=False), batch 4096: float8_experimental's case
@@ -42,7 +44,7 @@ from torch import nn
 from benchmarks.memory_trace import print_peak
 from benchmarks.utils import markdown_table, print_environment, write_csv
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from fp8train.models import ModelArgs, Transformer, TransformerBlock
+from fp8train.models import FeedForward, ModelArgs, Transformer, TransformerBlock
 
 try:
     import torchao.float8 as torchao_float8
@@ -61,6 +63,8 @@ FP8_CONFIGS: dict[str, Float8LinearConfig] = {
     "fp8 keep-hp-input": Float8LinearConfig(recompute_input_cast=True),
     # Compiled with fp8train's cast kernels as triton ops; in eager mode the same as default.
     "fp8 cast-kernels": Float8LinearConfig(compiled_cast_kernels=True),
+    # The default, and SwiGLU keeps its two inputs in float8 (llama; the linear cases have none).
+    "fp8 float8-swiglu": Float8LinearConfig(),
 }
 
 
@@ -102,6 +106,10 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return model
     if name == "torchao.float8":
         return torchao_float8.convert_to_float8_training(model, module_filter_fn=_skip_output_layer)
+    if name == "fp8 float8-swiglu":
+        for module in model.modules():
+            if isinstance(module, FeedForward):
+                module.float8_swiglu = True
     return convert_to_float8_training(
         model, config=FP8_CONFIGS[name], module_filter_fn=_skip_output_layer
     )

@@ -40,6 +40,19 @@ def test_recompute_savings_against_the_float8_weights_bytes():
     assert recompute_savings(held, 0.156) == "0.150 GiB of 0.156 (96%)"
 
 
+def test_bench_memory_float8_swiglu_config_converts_the_linears_and_the_swiglus():
+    from benchmarks.bench_memory import convert
+    from fp8train import Float8Linear
+    from fp8train.models import FeedForward, ModelArgs, Transformer
+
+    for name, swiglu in (("fp8 default", False), ("fp8 float8-swiglu", True)):
+        model = convert(Transformer(ModelArgs(n_layers=2)), name)
+        ffns = [m for m in model.modules() if isinstance(m, FeedForward)]
+        assert len(ffns) == 2 and all(ffn.float8_swiglu is swiglu for ffn in ffns)
+        assert isinstance(ffns[0].w2, Float8Linear)
+        assert type(model.lm_head) is torch.nn.Linear
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the command runs the benchmark")
 def test_bench_memory_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="run it on a GPU"):
