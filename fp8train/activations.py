@@ -15,6 +15,9 @@ and their scales, and neither bf16 half. Because forward's output is computed fr
 the partitioner cannot keep the bf16 halves instead: backward needs the copies, which only the
 halves could remake.
 
+Eager mode computes in fp32 a chunk of rows at a time (CHUNK_ELEMENTS), so that its
+temporaries stay small beside what the float8 copies save; compiled code is one fused kernel.
+
 Numerics: the output carries e4m3 rounding (at most 2**-4 relative per element, per-token
 scales), on top of the float8 cast that w2's gemm makes of it anyway. The gradients are the
 exact SwiGLU gradients at the quantized point; the quantization itself is passed straight
@@ -86,8 +89,50 @@ def _copies(
     return tuple(t for fp8 in casts for t in (fp8._data, fp8._scale))
 
 
-def _dequantized(data: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    return (data.to(torch.float32) / scale).reshape(shape)
+CHUNK_ELEMENTS = 2**24
+"""Eager mode computes forward and backward over this many elements at a time (64 MiB per fp32
+temporary): all at once, the fp32 temporaries of a (8192, 14336) SwiGLU would hold more than
+the float8 copies save. Compiled code is fused by inductor and takes the whole tensor."""
+
+
+def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) * b
+
+
+def _swiglu_grads(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    sigmoid = torch.sigmoid(a)
+    return g * b * sigmoid * (1 + a * (1 - sigmoid)), g * a * sigmoid
+
+
+def _by_rows(fn, dtype: torch.dtype, grad: torch.Tensor | None, *saved: torch.Tensor):  # noqa: ANN001, ANN202
+    """`fn` of fp32 values (grad, if given, then the two dequantized halves), in 2-D rows,
+    its outputs in `dtype`; in eager mode a chunk of rows at a time into preallocated
+    outputs."""
+    gate_fp8, gate_scale, up_fp8, up_scale = saved
+    rows, width = gate_fp8.shape
+
+    def run(part: slice) -> tuple[torch.Tensor, ...]:
+        values = [
+            gate_fp8[part].to(torch.float32) / gate_scale[part],
+            up_fp8[part].to(torch.float32) / up_scale[part],
+        ]
+        if grad is not None:
+            values.insert(0, grad[part].to(torch.float32))
+        result = fn(*values)
+        return tuple(r.to(dtype) for r in (result if isinstance(result, tuple) else (result,)))
+
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    if torch.compiler.is_compiling() or rows <= step:
+        return run(slice(None))
+    outputs = None
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        results = run(part)
+        if outputs is None:
+            outputs = tuple(gate_fp8.new_empty((rows, width), dtype=dtype) for _ in results)
+        for output, result in zip(outputs, results, strict=True):
+            output[part] = result
+    return outputs
 
 
 class _Float8SwiGLU(torch.autograd.Function):
@@ -103,19 +148,15 @@ class _Float8SwiGLU(torch.autograd.Function):
         up_fp8: torch.Tensor,
         up_scale: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.save_for_backward(gate_fp8, gate_scale, up_fp8, up_scale)
+        saved = (gate_fp8, gate_scale, up_fp8, up_scale)
+        ctx.save_for_backward(*saved)
         ctx.shape, ctx.dtype = gate.shape, gate.dtype
-        a = _dequantized(gate_fp8, gate_scale, gate.shape)
-        b = _dequantized(up_fp8, up_scale, gate.shape)
-        return (F.silu(a) * b).to(gate.dtype)
+        (out,) = _by_rows(_swiglu, gate.dtype, None, *saved)
+        return out.reshape(gate.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205, D102
-        gate_fp8, gate_scale, up_fp8, up_scale = ctx.saved_tensors
-        a = _dequantized(gate_fp8, gate_scale, ctx.shape)
-        b = _dequantized(up_fp8, up_scale, ctx.shape)
-        g = grad.to(torch.float32)
-        sigmoid = torch.sigmoid(a)
-        grad_gate = g * b * sigmoid * (1 + a * (1 - sigmoid))
-        grad_up = g * a * sigmoid
-        return grad_gate.to(ctx.dtype), grad_up.to(ctx.dtype), None, None, None, None
+        saved = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, ctx.shape[-1])
+        grad_gate, grad_up = _by_rows(_swiglu_grads, ctx.dtype, grad_2d, *saved)
+        return grad_gate.reshape(ctx.shape), grad_up.reshape(ctx.shape), None, None, None, None

@@ -53,6 +53,22 @@ def test_output_and_gradients_are_swiglu_at_the_float8_copies(device):
     torch.testing.assert_close(up.grad, b.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_eager_chunks_of_rows_give_the_same_bits_as_one_pass(monkeypatch):
+    import fp8train.activations
+
+    gate, up = halves(rows=64, hidden=96, dtype=torch.bfloat16)
+    grad = torch.randn_like(gate)
+    results = []
+    for chunk in (fp8train.activations.CHUNK_ELEMENTS, 5 * 96 + 7):  # 1 chunk, then 13
+        monkeypatch.setattr(fp8train.activations, "CHUNK_ELEMENTS", chunk)
+        gate.grad = up.grad = None
+        out = float8_swiglu(gate, up)
+        out.backward(grad)
+        results.append((out, gate.grad, up.grad))
+    for whole, chunked in zip(*results, strict=True):
+        assert torch.equal(whole, chunked)
+
+
 def test_close_to_high_precision_swiglu():
     gate, up = halves(dtype=torch.bfloat16)
     grad = torch.randn_like(gate)
