@@ -155,6 +155,23 @@ def test_composes_with_activation_checkpointing():
     torch.testing.assert_close(up.grad, expected[1])
 
 
+def test_compiled_inside_activation_checkpointing_matches_eager():
+    torch.manual_seed(0)
+    ffn = FeedForward(ModelArgs(dim=64, ffn_dim=192, float8_swiglu=True))
+    convert_to_float8_training(ffn, config=Float8LinearConfig())
+    compiled_ffn = copy.deepcopy(ffn)
+
+    def checkpointed(module):  # noqa: ANN001, ANN202
+        return lambda x: torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+
+    compiled = torch.compile(checkpointed(compiled_ffn), fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 32, 64)
+    for fn in (checkpointed(ffn), compiled):
+        fn(x).square().sum().backward()
+    for eager_p, compiled_p in zip(ffn.parameters(), compiled_ffn.parameters(), strict=True):
+        torch.testing.assert_close(compiled_p.grad, eager_p.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_a_model_with_float8_swiglu_trains():
     torch.manual_seed(0)
     model = Transformer(ModelArgs(float8_swiglu=True))
