@@ -71,3 +71,16 @@ def record_casts(monkeypatch: pytest.MonkeyPatch) -> list[CastCall]:
 
     monkeypatch.setattr(fp8train.cast, "cast_layouts", recording)
     return calls
+
+
+def train_losses(loss_fn, parameters, steps: int = 8, lr: float = 3e-3) -> list[float]:  # noqa: ANN001
+    """`steps` AdamW steps on `loss_fn()` (one batch, so the loss must fall); the losses."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -12,7 +12,7 @@ from fp8train import Float8LinearConfig, compute_error, convert_to_float8_traini
 from fp8train.cast import to_float8
 from fp8train.config import ScalingGranularity
 from fp8train.models import FeedForward, ModelArgs, Transformer
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, train_losses
 
 E4M3 = torch.float8_e4m3fn
 
@@ -176,16 +176,13 @@ def test_a_model_with_float8_swiglu_trains():
     torch.manual_seed(0)
     model = Transformer(ModelArgs(float8_swiglu=True))
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "lm_head")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
-    losses = []
-    for _ in range(8):
+
+    def loss() -> torch.Tensor:
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    losses = train_losses(loss, model.parameters())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.5
 

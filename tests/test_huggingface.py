@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp8train import Float8Linear, compute_error, convert_to_float8_training
-from tests.conftest import FLOAT8_GPU_REASON
+from tests.conftest import FLOAT8_GPU_REASON, train_losses
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 
@@ -34,15 +34,8 @@ def test_llama_for_causal_lm_converts_and_trains():
     # q, k, v, o and gate, up, down in each of the 2 layers; lm_head stays high precision.
     assert len(float8) == 14 and "lm_head" not in float8
     assert not isinstance(model.lm_head, Float8Linear)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 256, (4, 32))  # the same batch: the loss must fall
-    losses = []
-    for _ in range(8):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(lambda: model(input_ids=tokens, labels=tokens).loss, model.parameters())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.5
 
