@@ -18,11 +18,10 @@ halves could remake.
 Eager mode computes in fp32 a chunk of rows at a time (CHUNK_ELEMENTS), so that its
 temporaries stay small beside what the float8 copies save; compiled code is one fused kernel.
 
-Numerics: the output carries e4m3 rounding (2**-4 relative at most for values within about 2**14 of
-their token's largest, more for smaller ones, which fall to subnormals), on top of the float8
-cast that w2's gemm makes of it anyway. The gradients are the
-exact SwiGLU gradients at the quantized point; the quantization itself is passed straight
-through.
+Numerics: the output carries e4m3 rounding (2**-4 relative at most for values within about
+2**14 of their token's largest, more for smaller ones, which fall to subnormals), on top of the
+float8 cast that w2's gemm makes of it anyway. The gradients are the exact SwiGLU gradients at
+the quantized point; the quantization itself is passed straight through.
 """
 
 from __future__ import annotations
