@@ -44,7 +44,7 @@ from torch import nn
 from benchmarks.memory_trace import print_peak
 from benchmarks.utils import markdown_table, print_environment, write_csv
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from fp8train.models import FeedForward, ModelArgs, Transformer, TransformerBlock
+from fp8train.models import ModelArgs, Transformer, TransformerBlock, use_float8_swiglu
 
 try:
     import torchao.float8 as torchao_float8
@@ -107,9 +107,7 @@ def convert(model: nn.Module, name: str) -> nn.Module:
     if name == "torchao.float8":
         return torchao_float8.convert_to_float8_training(model, module_filter_fn=_skip_output_layer)
     if name == "fp8 float8-swiglu":
-        for module in model.modules():
-            if isinstance(module, FeedForward):
-                module.float8_swiglu = True
+        use_float8_swiglu(model)
     return convert_to_float8_training(
         model, config=FP8_CONFIGS[name], module_filter_fn=_skip_output_layer
     )

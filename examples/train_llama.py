@@ -46,7 +46,7 @@ from fp8train import (
 )
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize
-from fp8train.models import FeedForward, ModelArgs, Transformer
+from fp8train.models import ModelArgs, Transformer, use_float8_swiglu
 
 try:
     import torchao.float8 as torchao_float8
@@ -120,9 +120,7 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         config = Float8LinearConfig(recompute_input_cast=True)
     elif name == "tensorwise-float8-swiglu":
         config = Float8LinearConfig()
-        for module in model.modules():
-            if isinstance(module, FeedForward):
-                module.float8_swiglu = True
+        use_float8_swiglu(model)
     else:
         config = Float8LinearConfig.from_recipe_name(name)
     return convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)

@@ -120,6 +120,14 @@ class FeedForward(nn.Module):
         return self.w2(hidden)
 
 
+def use_float8_swiglu(model: nn.Module) -> nn.Module:
+    """Turn on `float8_swiglu` in every FeedForward of `model` (built without it); `model`."""
+    for module in model.modules():
+        if isinstance(module, FeedForward):
+            module.float8_swiglu = True
+    return model
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
