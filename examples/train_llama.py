@@ -25,6 +25,7 @@ import copy
 import gc
 import json
 import math
+import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -213,10 +214,17 @@ def train(
     return result
 
 
-def compare(rows: list[dict], base_name: str) -> list[dict]:
-    """Each run against the first run without float8 (config "bf16", in --dtype): tokens/s
-    and memory ratios, loss differences in %."""
-    base = next(row for row in rows if row["config"] == "bf16")
+def reference_label(base_name: str, against: str = "bf16") -> str:
+    """The name in the tables of the config that runs are compared with: the baseline's by
+    --dtype ("bf16", "fp32", ...), or the config named by --against."""
+    return base_name if against == "bf16" else against
+
+
+def compare(rows: list[dict], base_name: str, against: str = "bf16") -> list[dict]:
+    """Each run against the first run of config `against` (by default "bf16", the run without
+    float8, in --dtype): tokens/s and memory ratios, loss differences in %."""
+    base = next(row for row in rows if row["config"] == against)
+    ref = reference_label(base_name, against)
     table = []
     runs_of: dict[str, int] = {}
     for row in rows:
@@ -230,43 +238,53 @@ def compare(rows: list[dict], base_name: str) -> list[dict]:
         entry = {
             "config": label,
             "tokens/s": round(row["tokens_per_s"]),
-            f"vs {base_name}": row["tokens_per_s"] / base["tokens_per_s"],
+            f"vs {ref}": row["tokens_per_s"] / base["tokens_per_s"],
             "peak GiB": row["peak_memory_gib"],
-            f"memory vs {base_name}": None
+            f"memory vs {ref}": None
             if row["peak_memory_gib"] is None
             else row["peak_memory_gib"] / base["peak_memory_gib"],
             "final train loss": row["final_train_loss"],
-            f"train vs {base_name} %": 100
-            * (row["final_train_loss"] / base["final_train_loss"] - 1),
+            f"train vs {ref} %": 100 * (row["final_train_loss"] / base["final_train_loss"] - 1),
             "val loss": row["val_loss"],
-            f"val vs {base_name} %": 100 * (row["val_loss"] / base["val_loss"] - 1),
+            f"val vs {ref} %": 100 * (row["val_loss"] / base["val_loss"] - 1),
         }
         table.append(entry)
     return table
 
 
-def entries_by_config(rows: list[dict], base_name: str) -> dict[str, list[dict]]:
-    """`compare`'s entries of every seed, grouped by config (by row label: a repeat is its
-    own config)."""
+def seeds_with(rows: list[dict], against: str = "bf16") -> list[int]:
+    """The seeds of `rows` that have a run of config `against`, in their order."""
+    return [s for s in dict.fromkeys(r["seed"] for r in rows)
+            if any(r["seed"] == s and r["config"] == against for r in rows)]  # fmt: skip
+
+
+def entries_by_config(
+    rows: list[dict], base_name: str, against: str = "bf16"
+) -> dict[str, list[dict]]:
+    """`compare`'s entries of every seed that has a run of `against`, grouped by config (by
+    row label: a repeat is its own config)."""
     by_config: dict[str, list[dict]] = {}
-    for seed in dict.fromkeys(row["seed"] for row in rows):
-        for entry in compare([row for row in rows if row["seed"] == seed], base_name):
+    for seed in seeds_with(rows, against):
+        for entry in compare([row for row in rows if row["seed"] == seed], base_name, against):
             by_config.setdefault(entry["config"], []).append(entry)
     return by_config
 
 
-def summarize(rows: list[dict], base_name: str) -> list[dict]:
-    """Over several seeds: each config against the baseline run of the same seed, as the
-    mean, its standard error and the range of the per-seed figures. One seed's loss
-    difference is not a measure of float8's: runs of the same program can land further
-    apart than the goal (benchmarks/results/e2e_h100_2026-12-05.md)."""
+def summarize(rows: list[dict], base_name: str, against: str = "bf16") -> list[dict]:
+    """Over several seeds: each config against the run of `against` (the baseline unless
+    named) of the same seed, as the mean, its standard error and the range of the per-seed
+    figures. One seed's loss difference is not a measure of float8's: runs of the same
+    program can land further apart than the goal (benchmarks/results/e2e_h100_2026-12-05.md).
+    Against another float8 config, the pairs share a process and a seed, which takes out
+    each seed's own spread but not the run-to-run one."""
+    ref = reference_label(base_name, against)
     table = []
-    for config, entries in entries_by_config(rows, base_name).items():
+    for config, entries in entries_by_config(rows, base_name, against).items():
         summary = {"config": config, "seeds": len(entries)}
-        for key in (f"vs {base_name}", f"memory vs {base_name}"):
+        for key in (f"vs {ref}", f"memory vs {ref}"):
             values = [e[key] for e in entries if e[key] is not None]
             summary[key] = statistics.mean(values) if values else None
-        for key in (f"train vs {base_name} %", f"val vs {base_name} %"):
+        for key in (f"train vs {ref} %", f"val vs {ref} %"):
             values = [e[key] for e in entries]
             summary[f"{key} mean"] = statistics.mean(values)
             # The standard error of that mean: a parity goal is resolved only once the mean
@@ -279,23 +297,24 @@ def summarize(rows: list[dict], base_name: str) -> list[dict]:
     return table
 
 
-def print_seed(rows: list[dict], seed: int, base_name: str) -> None:
+def print_seed(rows: list[dict], seed: int, base_name: str, against: str = "bf16") -> None:
     """The table of one seed's runs."""
     runs = [row for row in rows if row["seed"] == seed]
+    table = compare(runs, base_name, against)
     # A cell left empty where a figure does not exist (peak memory on the CPU).
-    table = [{k: v for k, v in r.items() if v is not None} for r in compare(runs, base_name)]
+    table = [{k: v for k, v in r.items() if v is not None} for r in table]
     print(markdown_table(table, list(table[0])))
 
 
-def print_summary(rows: list[dict], base_name: str) -> None:
-    """The summary over the seeds of `rows`, when they hold several."""
-    seeds = list(dict.fromkeys(row["seed"] for row in rows))
+def print_summary(rows: list[dict], base_name: str, against: str = "bf16") -> None:
+    """The summary over the seeds of `rows` that have a run of `against`, when there are
+    several."""
+    seeds = seeds_with(rows, against)
     if len(seeds) > 1:
-        summary = [
-            {k: v for k, v in r.items() if v is not None} for r in summarize(rows, base_name)
-        ]
+        summary = summarize(rows, base_name, against)
+        summary = [{k: v for k, v in r.items() if v is not None} for r in summary]
         print(f"\nover {len(seeds)} seeds ({', '.join(map(str, seeds))}), each against "
-              f"{base_name} of the same seed:")  # fmt: skip
+              f"{reference_label(base_name, against)} of the same seed:")  # fmt: skip
         print(markdown_table(summary, list(summary[0])))
 
 
@@ -353,23 +372,29 @@ def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> No
 
 
 def plot_differences(
-    rows: list[dict], base_name: str, path: str, caption: str = "", goal: float = 0.5
+    rows: list[dict],
+    base_name: str,
+    path: str,
+    caption: str = "",
+    goal: float = 0.5,
+    against: str = "bf16",
 ) -> None:
-    """Each run's final validation loss against the first baseline run of its seed, one
-    point per seed and config, with each config's mean and its standard error, beside the
-    +-`goal` % band of the loss-parity goal."""
+    """Each run's final validation loss against the first run of `against` (the baseline
+    unless named) of its seed, one point per seed and config, with each config's mean and
+    its standard error, beside the +-`goal` % band of the loss-parity goal."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    ref = reference_label(base_name, against)
     by_config = {
-        config: [entry[f"val vs {base_name} %"] for entry in entries]
-        for config, entries in entries_by_config(rows, base_name).items()
-        if config != base_name
+        config: [entry[f"val vs {ref} %"] for entry in entries]
+        for config, entries in entries_by_config(rows, base_name, against).items()
+        if config != ref
     }
     figure, axes = plt.subplots(figsize=(7, 4))
-    axes.axhspan(-goal, goal, color="0.9", label=f"within {goal}% of {base_name}")
+    axes.axhspan(-goal, goal, color="0.9", label=f"within {goal}% of {ref}")
     axes.axhline(0, color="0.5", linewidth=0.8)
     for x, values in enumerate(by_config.values()):
         axes.scatter([x] * len(values), values, s=14, alpha=0.6)
@@ -379,7 +404,7 @@ def plot_differences(
                       capsize=4, label=label)  # fmt: skip
     axes.set_xticks(range(len(by_config)), [f"{c}\n({len(v)} seeds)" for c, v in by_config.items()])
     axes.set_xlim(-0.5, len(by_config) - 0.5)
-    axes.set_ylabel(f"val loss vs {base_name} of its seed, %")
+    axes.set_ylabel(f"val loss vs {ref} of its seed, %")
     axes.legend(loc="upper right", fontsize=8)
     if caption:
         figure.text(0.01, 0.01, caption, fontsize=6, wrap=True)
@@ -436,8 +461,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def write_json(args: argparse.Namespace, run_environment: dict, rows: list[dict]) -> None:
+    # Output files by name alone: where they were written says nothing about the runs, and
+    # the files are shared.
+    outputs = {k: os.path.basename(v) for k in ("json", "plot") if (v := getattr(args, k, None))}
     with open(args.json, "w") as handle:
-        record = {"args": vars(args) | {"func": None}, "environment": run_environment}
+        record = {"args": vars(args) | outputs | {"func": None}, "environment": run_environment}
         json.dump(record | {"runs": rows}, handle)
 
 
@@ -513,15 +541,27 @@ if __name__ == "__main__":
         help="only print the tables of earlier runs' --json files, one summary over their "
         "seeds; with --plot, each run's validation loss difference by config",
     )
+    parser.add_argument(
+        "--against",
+        choices=CONFIGS,
+        default="bf16",
+        help="with --summarize-json: compare every run with this config's run of the same "
+        "seed instead of bf16's (seeds without one are left out); for example one float8 "
+        "config against another",
+    )
     parsed = parser.parse_args()
     if parsed.summarize_json:
         runs, base = load_runs(parsed.summarize_json)
+        against = parsed.against
         for seed in dict.fromkeys(run["seed"] for run in runs):
+            if seed not in seeds_with(runs, against):
+                print(f"seed {seed}: no {against} run, left out")
+                continue
             print(f"seed {seed}:")
-            print_seed(runs, seed, base)
-        print_summary(runs, base)
+            print_seed(runs, seed, base, against)
+        print_summary(runs, base, against)
         if parsed.plot:
-            plot_differences(runs, base, parsed.plot, parsed.caption or "")
+            plot_differences(runs, base, parsed.plot, parsed.caption or "", against=against)
             print(f"differences by seed: {parsed.plot}")
     elif parsed.plot_json:
         with open(parsed.plot_json) as handle:

@@ -119,6 +119,40 @@ def test_runs_of_several_json_files_are_summarized_over_all_their_seeds(tmp_path
         assert (tmp_path / "differences.png").stat().st_size > 0
 
 
+def test_runs_are_compared_with_another_config_of_their_seed(tmp_path, capsys):
+    # One float8 config against another, paired by seed; a seed without that config is left
+    # out of the comparison rather than compared with something else.
+    rows, base = train_llama.load_runs([_run_record(
+        tmp_path / "a.json", "bfloat16",
+        [("bf16", 0, 2.0), ("tensorwise", 0, 2.0), ("rowwise", 0, 2.02),
+         ("rowwise", 1, 2.2), ("bf16", 1, 2.0), ("tensorwise", 1, 2.1),
+         ("bf16", 2, 2.0), ("rowwise", 2, 2.0)],
+    )])  # fmt: skip
+    assert train_llama.seeds_with(rows, "tensorwise") == [0, 1]
+    summary = {e["config"]: e for e in train_llama.summarize(rows, base, against="tensorwise")}
+    assert summary["tensorwise"]["val vs tensorwise % mean"] == 0
+    assert summary["rowwise"]["seeds"] == 2
+    assert summary["rowwise"]["val vs tensorwise % mean"] == pytest.approx((1 + 100 / 21) / 2)
+    assert summary["bf16"]["val vs tensorwise % range"] == f"{-100 / 21:+.2f} to +0.00"
+    # The default is still the baseline, with every seed.
+    assert train_llama.summarize(rows, base)[0]["seeds"] == 3
+
+    train_llama.print_summary(rows, base, against="tensorwise")
+    out = capsys.readouterr().out
+    assert "over 2 seeds (0, 1), each against tensorwise of the same seed" in out
+    assert "val vs tensorwise % mean" in out
+    if importlib.util.find_spec("matplotlib"):
+        path = tmp_path / "paired.png"
+        train_llama.plot_differences(rows, base, str(path), against="tensorwise")
+        assert path.stat().st_size > 0
+
+
+def test_the_json_file_names_its_outputs_without_their_folders(tmp_path):
+    run(tmp_path, "--configs", "bf16", "--steps", "1")
+    args = json.loads((tmp_path / "runs.json").read_text())["args"]
+    assert args["json"] == "runs.json" and args["plot"] is None
+
+
 def test_summarizing_json_files_refuses_a_seed_twice_and_mixed_dtypes(tmp_path):
     first = _run_record(tmp_path / "a.json", "bfloat16", [("bf16", 0, 2.0)])
     again = _run_record(tmp_path / "b.json", "bfloat16", [("bf16", 0, 2.1)])
@@ -166,3 +200,12 @@ def test_summarize_json_from_the_command_line(tmp_path):
     ).stdout  # fmt: skip
     assert "seed 0:" in out and "seed 1:" in out and "over 2 seeds (0, 1)" in out
     assert "| tensorwise | 2 |" in out
+    third = _run_record(tmp_path / "c.json", "bfloat16", [("bf16", 2, 2.0)])
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.train_llama", "--summarize-json", first, second, third,
+         "--against", "tensorwise"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "seed 2: no tensorwise run, left out" in out
+    assert "over 2 seeds (0, 1), each against tensorwise of the same seed" in out
+    assert "| bf16 | 2 |" in out
