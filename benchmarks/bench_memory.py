@@ -12,7 +12,8 @@ keeps by default); "keep-weight" keeps the float8 weight; "keep-hp-input" the hp
 "cast-kernels" is the default policy with compiled_cast_kernels=True (in eager mode the same
 as "fp8 default"; compiled, the casts are fp8train's triton ops); "float8-swiglu" is the
 default policy with the llama blocks' SwiGLU keeping its two inputs in float8
-(fp8train.float8_swiglu; in the linear cases the same as "fp8 default").
+(fp8train.float8_swiglu; in the linear cases the same as "fp8 default"), and
+"float8-swiglu-exact" the same with SwiGLU's output computed from its high-precision inputs.
 
 Cases:
     linear-4096    10 x Linear(4096, 4096, bias=False), batch 4096: float8_experimental's case
@@ -65,6 +66,8 @@ FP8_CONFIGS: dict[str, Float8LinearConfig] = {
     "fp8 cast-kernels": Float8LinearConfig(compiled_cast_kernels=True),
     # The default, and SwiGLU keeps its two inputs in float8 (llama; the linear cases have none).
     "fp8 float8-swiglu": Float8LinearConfig(),
+    # The same, SwiGLU's output computed from its bf16 inputs (float8 w2 keeps its own input).
+    "fp8 float8-swiglu-exact": Float8LinearConfig(),
 }
 
 
@@ -106,8 +109,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return model
     if name == "torchao.float8":
         return torchao_float8.convert_to_float8_training(model, module_filter_fn=_skip_output_layer)
-    if name == "fp8 float8-swiglu":
-        use_float8_swiglu(model)
+    if name.startswith("fp8 float8-swiglu"):
+        use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
     return convert_to_float8_training(
         model, config=FP8_CONFIGS[name], module_filter_fn=_skip_output_layer
     )

@@ -144,7 +144,8 @@ def main(args: argparse.Namespace) -> list[dict]:
         n_heads=args.heads,
         ffn_dim=args.ffn_dim,
         max_seq_len=args.tokens,
-        float8_swiglu=args.float8_swiglu,
+        float8_swiglu=args.float8_swiglu or args.float8_swiglu_exact,
+        float8_swiglu_exact_forward=args.float8_swiglu_exact,
     )
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -172,6 +173,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--float8-swiglu",
         action="store_true",
         help="the block's SwiGLU keeps its two inputs in float8 (fp8train.float8_swiglu)",
+    )
+    parser.add_argument(
+        "--float8-swiglu-exact",
+        action="store_true",
+        help="the same, with SwiGLU's output computed from its high-precision inputs "
+        "(float8_swiglu's exact_forward)",
     )
     parser.add_argument(
         "--opaque-casts",

@@ -76,6 +76,7 @@ CONFIGS = (
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
     "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
     "tensorwise-float8-swiglu",  # and SwiGLU keeps its two inputs in float8 (float8_swiglu)
+    "tensorwise-float8-swiglu-exact",  # the same, SwiGLU's output from its bf16 inputs
     "rowwise",
     "rowwise_with_gw_hp",
     "blockwise",
@@ -119,9 +120,9 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         config = Float8LinearConfig(compiled_cast_kernels=True)
     elif name == "tensorwise-keep-hp-input":
         config = Float8LinearConfig(recompute_input_cast=True)
-    elif name == "tensorwise-float8-swiglu":
+    elif name.startswith("tensorwise-float8-swiglu"):
         config = Float8LinearConfig()
-        use_float8_swiglu(model)
+        use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
     else:
         config = Float8LinearConfig.from_recipe_name(name)
     return convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)

@@ -15,6 +15,15 @@ and their scales, and neither bf16 half. Because forward's output is computed fr
 the partitioner cannot keep the bf16 halves instead: backward needs the copies, which only the
 halves could remake.
 
+With `exact_forward=True` the output is SwiGLU of the high-precision halves instead, and only
+backward works from the copies (DeepSeek-V3's arrangement). Forward then carries no rounding
+beyond w2's own cast, but w2 can no longer remake its float8 input from the copies: a float8
+w2 keeps it, 3 bytes per hidden element instead of 2. Under torch.compile the output is
+written as `q + (exact - q)`, with `q` SwiGLU at the copies: the value of `exact` (the
+difference of two values within a factor of two of each other is exact in fp32, so the sum
+gives `exact` back; otherwise it is off by at most one fp32 rounding, below the output's
+own), while forward reads the copies, so the partitioner keeps them rather than the halves.
+
 Eager mode computes in fp32 a chunk of rows at a time (CHUNK_ELEMENTS), so that its
 temporaries stay small beside what the float8 copies save; compiled code is one fused kernel.
 
@@ -46,13 +55,17 @@ FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def float8_swiglu(
-    gate: torch.Tensor, up: torch.Tensor, float8_dtype: torch.dtype = torch.float8_e4m3fn
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    exact_forward: bool = False,
 ) -> torch.Tensor:
     """`silu(gate) * up`, keeping only float8 copies of `gate` and `up` for backward (and
-    computing the output from them).
+    computing the output from them, unless `exact_forward`).
 
     gate, up: the same shape (..., F) and floating dtype; each row of F elements gets its own
-    scale. Returns a tensor of that shape and dtype.
+    scale. exact_forward: the output from the high-precision halves (a float8 w2 then keeps
+    its own float8 input). Returns a tensor of that shape and dtype.
     """
     if gate.shape != up.shape:
         raise ValueError(
@@ -75,7 +88,7 @@ def float8_swiglu(
         copies = checkpoint(_copies, gate, up, float8_dtype, use_reentrant=False, context_fn=keep)
     else:
         copies = _copies(gate, up, float8_dtype)
-    return _Float8SwiGLU.apply(gate, up, *copies)
+    return _Float8SwiGLU.apply(gate, up, exact_forward, *copies)
 
 
 def _copies(
@@ -105,25 +118,34 @@ def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
+def _swiglu_tied(
+    g: torch.Tensor, u: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU of (g, u), written so that it also reads (a, b), the halves at their float8
+    copies' values (the module docstring says why)."""
+    quantized = _swiglu(a, b)
+    return quantized + (_swiglu(g, u) - quantized)
+
+
 def _swiglu_grads(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     sigmoid = torch.sigmoid(a)
     return g * b * sigmoid * (1 + a * (1 - sigmoid)), g * a * sigmoid
 
 
-def _by_rows(fn, dtype: torch.dtype, grad: torch.Tensor | None, *saved: torch.Tensor):  # noqa: ANN001, ANN202
-    """`fn` of fp32 values (grad, if given, then the two dequantized halves), in 2-D rows,
-    its outputs in `dtype`; in eager mode a chunk of rows at a time into preallocated
-    outputs."""
-    gate_fp8, gate_scale, up_fp8, up_scale = saved
-    rows, width = gate_fp8.shape
+def _by_rows(fn, dtype: torch.dtype, hp: tuple[torch.Tensor, ...], saved: tuple[torch.Tensor, ...]):  # noqa: ANN001, ANN202
+    """`fn` of fp32 values: the 2-D tensors `hp`, then the two halves dequantized from
+    `saved` (gate_fp8, gate_scale, up_fp8, up_scale; or none), row for row; its outputs in
+    `dtype`. In eager mode a chunk of rows at a time into preallocated outputs."""
+    rows, width = (hp or saved)[0].shape
 
     def run(part: slice) -> tuple[torch.Tensor, ...]:
-        values = [
-            gate_fp8[part].to(torch.float32) / gate_scale[part],
-            up_fp8[part].to(torch.float32) / up_scale[part],
-        ]
-        if grad is not None:
-            values.insert(0, grad[part].to(torch.float32))
+        values = [t[part].to(torch.float32) for t in hp]
+        if saved:
+            gate_fp8, gate_scale, up_fp8, up_scale = saved
+            values += [
+                gate_fp8[part].to(torch.float32) / gate_scale[part],
+                up_fp8[part].to(torch.float32) / up_scale[part],
+            ]
         result = fn(*values)
         return tuple(r.to(dtype) for r in (result if isinstance(result, tuple) else (result,)))
 
@@ -135,20 +157,24 @@ def _by_rows(fn, dtype: torch.dtype, grad: torch.Tensor | None, *saved: torch.Te
         part = slice(start, start + step)
         results = run(part)
         if outputs is None:
-            outputs = tuple(gate_fp8.new_empty((rows, width), dtype=dtype) for _ in results)
+            outputs = tuple(
+                torch.empty((rows, width), dtype=dtype, device=r.device) for r in results
+            )
         for output, result in zip(outputs, results, strict=True):
             output[part] = result
     return outputs
 
 
 class _Float8SwiGLU(torch.autograd.Function):
-    """silu(gate) * up at the float8 copies' values; backward from the copies alone."""
+    """silu(gate) * up at the float8 copies' values (or, exact_forward, of gate and up);
+    backward from the copies alone."""
 
     @staticmethod
     def forward(  # noqa: D102
         ctx: torch.autograd.function.FunctionCtx,
         gate: torch.Tensor,
         up: torch.Tensor,
+        exact_forward: bool,
         gate_fp8: torch.Tensor,
         gate_scale: torch.Tensor,
         up_fp8: torch.Tensor,
@@ -157,12 +183,18 @@ class _Float8SwiGLU(torch.autograd.Function):
         saved = (gate_fp8, gate_scale, up_fp8, up_scale)
         ctx.save_for_backward(*saved)
         ctx.shape, ctx.dtype = gate.shape, gate.dtype
-        (out,) = _by_rows(_swiglu, gate.dtype, None, *saved)
+        if not exact_forward:
+            (out,) = _by_rows(_swiglu, gate.dtype, (), saved)
+        else:
+            halves = tuple(t.reshape(-1, t.shape[-1]) for t in (gate, up))
+            if torch.compiler.is_compiling():
+                (out,) = _by_rows(_swiglu_tied, gate.dtype, halves, saved)
+            else:
+                (out,) = _by_rows(_swiglu, gate.dtype, halves, ())
         return out.reshape(gate.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205, D102
-        saved = ctx.saved_tensors
         grad_2d = grad.reshape(-1, ctx.shape[-1])
-        grad_gate, grad_up = _by_rows(_swiglu_grads, ctx.dtype, grad_2d, *saved)
-        return grad_gate.reshape(ctx.shape), grad_up.reshape(ctx.shape), None, None, None, None
+        grad_gate, grad_up = _by_rows(_swiglu_grads, ctx.dtype, (grad_2d,), ctx.saved_tensors)
+        return grad_gate.reshape(ctx.shape), grad_up.reshape(ctx.shape), None, *(None,) * 4

@@ -33,6 +33,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     float8_swiglu: bool = False
     """Keep SwiGLU's two inputs for backward in float8 (fp8train.activations)."""
+    float8_swiglu_exact_forward: bool = False
+    """With float8_swiglu: SwiGLU's output from its high-precision inputs, not the copies."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -105,7 +107,8 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Module):
     """SwiGLU: silu(x W1) * (x W3), projected back by W2. With `float8_swiglu` (an attribute,
-    from ModelArgs) the two halves are kept for backward in float8 (fp8train.activations)."""
+    from ModelArgs) the two halves are kept for backward in float8 (fp8train.activations),
+    and with `float8_swiglu_exact_forward` the output is computed from the halves themselves."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -113,18 +116,24 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
         self.float8_swiglu = args.float8_swiglu
+        self.float8_swiglu_exact_forward = args.float8_swiglu_exact_forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
-        hidden = float8_swiglu(gate, up) if self.float8_swiglu else F.silu(gate) * up
+        if self.float8_swiglu:
+            hidden = float8_swiglu(gate, up, exact_forward=self.float8_swiglu_exact_forward)
+        else:
+            hidden = F.silu(gate) * up
         return self.w2(hidden)
 
 
-def use_float8_swiglu(model: nn.Module) -> nn.Module:
-    """Turn on `float8_swiglu` in every FeedForward of `model` (built without it); `model`."""
+def use_float8_swiglu(model: nn.Module, exact_forward: bool = False) -> nn.Module:
+    """Turn on `float8_swiglu` (with `exact_forward`) in every FeedForward of `model`;
+    `model`."""
     for module in model.modules():
         if isinstance(module, FeedForward):
             module.float8_swiglu = True
+            module.float8_swiglu_exact_forward = exact_forward
     return model
 
 

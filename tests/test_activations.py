@@ -53,7 +53,8 @@ def test_output_and_gradients_are_swiglu_at_the_float8_copies(device):
     torch.testing.assert_close(up.grad, b.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_eager_chunks_of_rows_give_the_same_bits_as_one_pass(monkeypatch):
+@pytest.mark.parametrize("exact_forward", [False, True])
+def test_eager_chunks_of_rows_give_the_same_bits_as_one_pass(monkeypatch, exact_forward):
     import fp8train.activations
 
     gate, up = halves(rows=64, hidden=96, dtype=torch.bfloat16)
@@ -62,7 +63,7 @@ def test_eager_chunks_of_rows_give_the_same_bits_as_one_pass(monkeypatch):
     for chunk in (fp8train.activations.CHUNK_ELEMENTS, 5 * 96 + 7):  # 1 chunk, then 13
         monkeypatch.setattr(fp8train.activations, "CHUNK_ELEMENTS", chunk)
         gate.grad = up.grad = None
-        out = float8_swiglu(gate, up)
+        out = float8_swiglu(gate, up, exact_forward=exact_forward)
         out.backward(grad)
         results.append((out, gate.grad, up.grad))
     for whole, chunked in zip(*results, strict=True):
@@ -85,7 +86,46 @@ def test_close_to_high_precision_swiglu():
         assert compute_error(hp_grad, fp8_grad) > 25
 
 
-def test_backward_keeps_only_the_float8_copies_and_their_scales():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_forward_computes_the_output_from_the_halves_and_backward_from_the_copies(dtype):
+    gate, up = halves(dtype=dtype)
+    grad = torch.randn_like(gate)
+    out = float8_swiglu(gate, up, exact_forward=True)
+    out.backward(grad)
+    exact_grads = gate.grad.clone(), up.grad.clone()
+    # The output: SwiGLU of the halves in fp32, rounded once.
+    assert torch.equal(out, (F.silu(gate.float()) * up.float()).to(dtype).detach())
+    # The gradients: those of the default mode, taken at the float8 copies.
+    gate.grad = up.grad = None
+    float8_swiglu(gate, up).backward(grad)
+    assert torch.equal(exact_grads[0], gate.grad) and torch.equal(exact_grads[1], up.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_exact_forward_gives_the_exact_output(backend, device):
+    # Compiled, the output is written as q + (exact - q), with q SwiGLU at the copies, so
+    # that forward reads the copies: its value must still be the exact one, not q's.
+    torch._dynamo.reset()
+    gate, up = halves(rows=64, hidden=96, device=device)
+    grad = torch.randn_like(gate)
+    compiled = torch.compile(
+        lambda g, u: float8_swiglu(g, u, exact_forward=True), backend=backend, fullgraph=True
+    )
+    out = compiled(gate, up)
+    out.backward(grad)
+    reference = F.silu(gate.detach()) * up.detach()
+    torch.testing.assert_close(out, reference, rtol=2e-6, atol=1e-6)
+    assert compute_error(reference, out) > 100  # the float8 output is about 30 dB
+    expected = [t.clone() for t in (gate.grad, up.grad)]
+    gate.grad = up.grad = None
+    float8_swiglu(gate, up).backward(grad)
+    torch.testing.assert_close(expected[0], gate.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(expected[1], up.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("exact_forward", [False, True])
+def test_backward_keeps_only_the_float8_copies_and_their_scales(exact_forward):
     gate, up = halves(rows=64, hidden=96)
     saved = []
 
@@ -94,7 +134,7 @@ def test_backward_keeps_only_the_float8_copies_and_their_scales():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        float8_swiglu(gate, up)
+        float8_swiglu(gate, up, exact_forward=exact_forward)
     assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == [
         ("torch.float32", (64, 1)),
         ("torch.float32", (64, 1)),
@@ -109,28 +149,43 @@ def test_backward_keeps_only_the_float8_copies_and_their_scales():
     assert bytes_of(saved) < bytes_of(plain) / 5
 
 
+@pytest.mark.parametrize("exact_forward", [False, True])
 @pytest.mark.parametrize("float8_linears", [False, True])
-def test_compiled_feed_forward_keeps_the_float8_halves_and_neither_hp_half(float8_linears):
+def test_compiled_feed_forward_keeps_the_float8_halves_and_neither_hp_half(
+    float8_linears, exact_forward
+):
     torch.manual_seed(0)
-    ffn = FeedForward(ModelArgs(dim=64, ffn_dim=192, float8_swiglu=True))
+    args = ModelArgs(
+        dim=64, ffn_dim=192, float8_swiglu=True, float8_swiglu_exact_forward=exact_forward
+    )
+    ffn = FeedForward(args)
     if float8_linears:
         convert_to_float8_training(ffn, config=Float8LinearConfig())
     x = torch.randn(2, 64, 64, requires_grad=True)
     saved = saved_by_backward(ffn, x)
     # Activations of the hidden width (w2's weight, (64, 192), apart).
     hidden = sorted(str(t.dtype) for t in saved if tuple(t.shape) == (128, 192))
-    if float8_linears:
+    halves_fp8 = ["torch.float8_e4m3fn", "torch.float8_e4m3fn"]
+    if float8_linears and not exact_forward:
         # The two float8 halves alone: backward remakes w2's float8 input from them, as
         # forward made it.
-        assert hidden == ["torch.float8_e4m3fn", "torch.float8_e4m3fn"]
+        assert hidden == halves_fp8
+    elif float8_linears:
+        # Forward's output came from the hp halves, which are gone: w2 keeps its own
+        # float8 input beside the two halves.
+        assert hidden == [*halves_fp8, "torch.float8_e4m3fn"]
     else:
         # A high-precision w2 keeps its own input (SwiGLU's output) for its grad_weight.
-        assert hidden == ["torch.float32", "torch.float8_e4m3fn", "torch.float8_e4m3fn"]
+        assert hidden == ["torch.float32", *halves_fp8]
 
 
-def test_compiles_without_graph_breaks_and_matches_eager():
+@pytest.mark.parametrize("exact_forward", [False, True])
+def test_compiles_without_graph_breaks_and_matches_eager(exact_forward):
     torch.manual_seed(0)
-    ffn = FeedForward(ModelArgs(dim=64, ffn_dim=192, float8_swiglu=True))
+    args = ModelArgs(
+        dim=64, ffn_dim=192, float8_swiglu=True, float8_swiglu_exact_forward=exact_forward
+    )
+    ffn = FeedForward(args)
     convert_to_float8_training(ffn, config=Float8LinearConfig())
     compiled_ffn = copy.deepcopy(ffn)
     counter = CompileCounterWithBackend("aot_eager")
@@ -172,9 +227,10 @@ def test_compiled_inside_activation_checkpointing_matches_eager():
         torch.testing.assert_close(compiled_p.grad, eager_p.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_a_model_with_float8_swiglu_trains():
+@pytest.mark.parametrize("exact_forward", [False, True])
+def test_a_model_with_float8_swiglu_trains(exact_forward):
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(float8_swiglu=True))
+    model = Transformer(ModelArgs(float8_swiglu=True, float8_swiglu_exact_forward=exact_forward))
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "lm_head")
     tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
 

@@ -45,10 +45,15 @@ def test_bench_memory_float8_swiglu_config_converts_the_linears_and_the_swiglus(
     from fp8train import Float8Linear
     from fp8train.models import FeedForward, ModelArgs, Transformer
 
-    for name, swiglu in (("fp8 default", False), ("fp8 float8-swiglu", True)):
+    for name, swiglu, exact in (
+        ("fp8 default", False, False),
+        ("fp8 float8-swiglu", True, False),
+        ("fp8 float8-swiglu-exact", True, True),
+    ):
         model = convert(Transformer(ModelArgs(n_layers=2)), name)
         ffns = [m for m in model.modules() if isinstance(m, FeedForward)]
         assert len(ffns) == 2 and all(ffn.float8_swiglu is swiglu for ffn in ffns)
+        assert all(ffn.float8_swiglu_exact_forward is exact for ffn in ffns)
         assert isinstance(ffns[0].w2, Float8Linear)
         assert type(model.lm_head) is torch.nn.Linear
 

@@ -32,6 +32,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
         "tensorwise-cast-kernels",
         "tensorwise-keep-hp-input",
         "tensorwise-float8-swiglu",
+        "tensorwise-float8-swiglu-exact",
     ]
     rows = run(tmp_path, "--configs", *configs, "--plot", str(plot))
     assert [r["config"] for r in rows] == configs
