@@ -403,7 +403,8 @@ def plot_differences(
         label = "mean and its standard error" if x == 0 else None
         axes.errorbar(x + 0.15, statistics.mean(values), yerr=sem, fmt="o", color="black",
                       capsize=4, label=label)  # fmt: skip
-    axes.set_xticks(range(len(by_config)), [f"{c}\n({len(v)} seeds)" for c, v in by_config.items()])
+    ticks = [f"{c}\n({len(v)} seed{'s' * (len(v) > 1)})" for c, v in by_config.items()]
+    axes.set_xticks(range(len(by_config)), ticks)
     axes.set_xlim(-0.5, len(by_config) - 0.5)
     axes.set_ylabel(f"val loss vs {ref} of its seed, %")
     axes.legend(loc="upper right", fontsize=8)
