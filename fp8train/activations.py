@@ -24,6 +24,12 @@ difference of two values within a factor of two of each other is exact in fp32, 
 gives `exact` back; otherwise it is off by at most one fp32 rounding, below the output's
 own), while forward reads the copies, so the partitioner keeps them rather than the halves.
 
+Under tensor parallelism (w1 and w3 colwise, w2 rowwise) the scales follow the halves'
+layout: with DTensor outputs (`use_local_output=False`) a token's amax reduces across the
+ranks and the results are one process's; with local outputs (torch's default) each rank
+scales its own slice of the hidden width, with no communication
+(tests/test_tensor_parallel.py checks both).
+
 Eager mode computes in fp32 a chunk of rows at a time (CHUNK_ELEMENTS), so that its
 temporaries stay small beside what the float8 copies save; compiled code is one fused kernel.
 
