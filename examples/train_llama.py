@@ -28,7 +28,7 @@ import math
 import os
 import statistics
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -443,6 +443,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--plot", help="write the loss curves to this PNG")
     add("--json", help="write every run's losses and figures to this JSON file")
     add("--quiet", action="store_true", help="no progress bars")
+    add("--deterministic", action="store_true", help="torch's deterministic algorithms "
+        "(strict) and a fixed cuBLAS workspace: a config run twice lands on the same losses, "
+        "where the ops allow it (slower)")  # fmt: skip
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -460,6 +463,27 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if missing:
         raise SystemExit(f"{', '.join(missing)}: torchao is not importable (pip install torchao)")
     return args
+
+
+@contextmanager
+def deterministic_algorithms(enabled: bool):  # noqa: ANN201
+    """With `enabled`, torch's deterministic algorithms (strict: an op that has none raises,
+    naming itself) and cuBLAS's fixed workspace, for the duration; the previous setting
+    after. A run's differences from another are then the configs' own, not those of kernels
+    that sum in a different order each time (flash attention's backward among them)."""
+    if not enabled:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    # Read when cuBLAS makes its handle, which no CUDA work has needed before main's runs.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark = before[1]
 
 
 def write_json(args: argparse.Namespace, run_environment: dict, rows: list[dict]) -> None:
@@ -512,7 +536,8 @@ def main(args: argparse.Namespace) -> list[dict]:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             torch._dynamo.reset()
-            rows.append(train(name, initial, data, args, seed))
+            with deterministic_algorithms(args.deterministic):
+                rows.append(train(name, initial, data, args, seed))
             row = rows[-1]
             print(
                 f"{name} (seed {seed}): {row['tokens_per_s']:.0f} tokens/s, peak "
