@@ -81,3 +81,44 @@ def test_linear_gives_finite_accurate_results_from_finite_inputs(
     assert torch.isfinite(out).all() and torch.isfinite(layer.weight.grad).all()
     # Tensorwise e4m3 gemms on random data give about 28 dB (benchmarks/check_numerics.py).
     assert compute_error(expected, out) > 20
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gate=hp_tensors(),
+    up_exponent=st.integers(-3, 3),
+    exact_forward=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_float8_swiglu_gives_finite_results_from_finite_inputs(
+    gate, up_exponent, exact_forward, seed
+):
+    from hypothesis import assume
+
+    from fp8train import float8_swiglu
+    from fp8train.config import ScalingGranularity
+
+    generator = torch.Generator().manual_seed(seed)
+    up = (torch.randn(gate.shape, generator=generator) * 10.0**up_exponent).to(gate.dtype)
+    exact = torch.nn.functional.silu(gate.float()) * up.float()
+    # Where SwiGLU itself overflows the dtype there is no finite answer to give.
+    assume(exact.abs().max() < torch.finfo(gate.dtype).max / 4)
+    gate, up = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out = float8_swiglu(gate, up, exact_forward=exact_forward)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(gate.grad).all() and torch.isfinite(up.grad).all()
+    if exact_forward:
+        assert torch.equal(out, exact.to(gate.dtype))
+    else:
+        # SwiGLU at the float8 copies' values, rounded once to the dtype.
+        a, b = (
+            to_float8(t.detach(), E4M3, ScalingGranularity.ROWWISE, reduce_dim=-1).to_hp(
+                torch.float32
+            )
+            for t in (gate, up)
+        )
+        expected = (torch.nn.functional.silu(a) * b).to(gate.dtype)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=0)
+    if not gate.detach().any():
+        assert not out.any()
