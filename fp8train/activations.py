@@ -16,7 +16,8 @@ the partitioner cannot keep the bf16 halves instead: backward needs the copies, 
 halves could remake.
 
 With `exact_forward=True` the output is SwiGLU of the high-precision halves instead, and only
-backward works from the copies (DeepSeek-V3's arrangement). Forward then carries no rounding
+backward works from the copies (close to DeepSeek-V3, which caches SwiGLU's inputs in
+float8 for backward only). Forward then carries no rounding
 beyond w2's own cast, but w2 can no longer remake its float8 input from the copies: a float8
 w2 keeps it, 3 bytes per hidden element instead of 2. Under torch.compile the output is
 written as `q + (exact - q)`, with `q` SwiGLU at the copies: the value of `exact` (the
