@@ -16,14 +16,14 @@ the partitioner cannot keep the bf16 halves instead: backward needs the copies, 
 halves could remake.
 
 With `exact_forward=True` the output is SwiGLU of the high-precision halves instead, and only
-backward works from the copies (close to DeepSeek-V3, which caches SwiGLU's inputs in
-float8 for backward only). Forward then carries no rounding
-beyond w2's own cast, but w2 can no longer remake its float8 input from the copies: a float8
-w2 keeps it, 3 bytes per hidden element instead of 2. Under torch.compile the output is
-written as `q + (exact - q)`, with `q` SwiGLU at the copies: the value of `exact` (the
-difference of two values within a factor of two of each other is exact in fp32, so the sum
-gives `exact` back; otherwise it is off by at most one fp32 rounding, below the output's
-own), while forward reads the copies, so the partitioner keeps them rather than the halves.
+backward works from the copies (close to DeepSeek-V3, which caches SwiGLU's inputs in float8
+for backward only). Forward then carries no rounding beyond w2's own cast, but w2 can no longer
+remake its float8 input from the copies: a float8 w2 keeps it, 3 bytes per hidden element
+instead of 2. Under torch.compile the output is written as `q + (exact - q)`, with `q` SwiGLU
+at the copies: the value of `exact` (the difference of two values within a factor of two of
+each other is exact in fp32, so the sum gives `exact` back; otherwise it is off by at most one
+fp32 rounding, below the output's own), while forward reads the copies, so the partitioner
+keeps them rather than the halves.
 
 Under tensor parallelism (w1 and w3 colwise, w2 rowwise) the scales follow the halves'
 layout: with DTensor outputs (`use_local_output=False`) a token's amax reduces across the
