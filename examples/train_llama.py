@@ -253,6 +253,11 @@ def compare(rows: list[dict], base_name: str, against: str = "bf16") -> list[dic
     return table
 
 
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the mean of `values` (None for a single value)."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
 def seeds_with(rows: list[dict], against: str = "bf16") -> list[int]:
     """The seeds of `rows` that have a run of config `against`, in their order."""
     return [s for s in dict.fromkeys(r["seed"] for r in rows)
@@ -290,9 +295,7 @@ def summarize(rows: list[dict], base_name: str, against: str = "bf16") -> list[d
             summary[f"{key} mean"] = statistics.mean(values)
             # The standard error of that mean: a parity goal is resolved only once the mean
             # lies within it by more than about two of these.
-            summary[f"{key} sem"] = (
-                statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
-            )
+            summary[f"{key} sem"] = standard_error(values)
             summary[f"{key} range"] = f"{min(values):+.2f} to {max(values):+.2f}"
         table.append(summary)
     return table
@@ -399,10 +402,9 @@ def plot_differences(
     axes.axhline(0, color="0.5", linewidth=0.8)
     for x, values in enumerate(by_config.values()):
         axes.scatter([x] * len(values), values, s=14, alpha=0.6)
-        sem = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
         label = "mean and its standard error" if x == 0 else None
-        axes.errorbar(x + 0.15, statistics.mean(values), yerr=sem, fmt="o", color="black",
-                      capsize=4, label=label)  # fmt: skip
+        axes.errorbar(x + 0.15, statistics.mean(values), yerr=standard_error(values) or 0.0,
+                      fmt="o", color="black", capsize=4, label=label)  # fmt: skip
     ticks = [f"{c}\n({len(v)} seed{'s' * (len(v) > 1)})" for c, v in by_config.items()]
     axes.set_xticks(range(len(by_config)), ticks)
     axes.set_xlim(-0.5, len(by_config) - 0.5)
@@ -580,8 +582,9 @@ if __name__ == "__main__":
     if parsed.summarize_json:
         runs, base = load_runs(parsed.summarize_json)
         against = parsed.against
+        compared = seeds_with(runs, against)
         for seed in dict.fromkeys(run["seed"] for run in runs):
-            if seed not in seeds_with(runs, against):
+            if seed not in compared:
                 print(f"seed {seed}: no {against} run, left out")
                 continue
             print(f"seed {seed}:")
