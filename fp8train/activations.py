@@ -31,8 +31,9 @@ ranks and the results are one process's; with local outputs (torch's default) ea
 scales its own slice of the hidden width, with no communication
 (tests/test_tensor_parallel.py checks both).
 
-Eager mode computes in fp32 a chunk of rows at a time (CHUNK_ELEMENTS), so that its
-temporaries stay small beside what the float8 copies save; compiled code is one fused kernel.
+Eager mode computes in fp32 a piece of the rows at a time (fp8train.cast.EAGER_PIECES), so
+that its temporaries stay small beside what the float8 copies save; compiled code is one fused
+kernel.
 
 Numerics: the output carries e4m3 rounding (2**-4 relative at most for values within about
 2**14 of their token's largest, more for smaller ones, which fall to subnormals), on top of the
@@ -54,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from fp8train.cast import to_float8
+from fp8train.cast import eager_rows_per_piece, to_float8
 from fp8train.config import ScalingGranularity
 from fp8train.policy import _SAVE_POLICIES
 
@@ -115,12 +116,6 @@ def _copies(
     return tuple(t for fp8 in casts for t in (fp8._data, fp8._scale))
 
 
-CHUNK_ELEMENTS = 2**24
-"""Eager mode computes forward and backward over this many elements at a time (64 MiB per fp32
-temporary): all at once, the fp32 temporaries of a (8192, 14336) SwiGLU would hold more than
-the float8 copies save. Compiled code is fused by inductor and takes the whole tensor."""
-
-
 def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
@@ -142,7 +137,9 @@ def _swiglu_grads(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[to
 def _by_rows(fn, dtype: torch.dtype, hp: tuple[torch.Tensor, ...], saved: tuple[torch.Tensor, ...]):  # noqa: ANN001, ANN202
     """`fn` of fp32 values: the 2-D tensors `hp`, then the two halves dequantized from
     `saved` (gate_fp8, gate_scale, up_fp8, up_scale; or none), row for row; its outputs in
-    `dtype`. In eager mode a chunk of rows at a time into preallocated outputs."""
+    `dtype`. In eager mode a piece of the rows at a time (all at once, the fp32 temporaries
+    of a (8192, 14336) SwiGLU would hold more than the float8 copies save), into
+    preallocated outputs."""
     rows, width = (hp or saved)[0].shape
 
     def run(part: slice) -> tuple[torch.Tensor, ...]:
@@ -156,8 +153,8 @@ def _by_rows(fn, dtype: torch.dtype, hp: tuple[torch.Tensor, ...], saved: tuple[
         result = fn(*values)
         return tuple(r.to(dtype) for r in (result if isinstance(result, tuple) else (result,)))
 
-    step = max(1, CHUNK_ELEMENTS // max(1, width))
-    if torch.compiler.is_compiling() or rows <= step:
+    step = eager_rows_per_piece(rows, rows * width)
+    if rows <= step:
         return run(slice(None))
     outputs = None
     for start in range(0, rows, step):

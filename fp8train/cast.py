@@ -208,6 +208,25 @@ def _cast_ops(
     ]
 
 
+EAGER_PIECES = 8
+"""The torch path's eager fp32 work on a large tensor (its casts, fp8train.float8_swiglu) runs
+over this many pieces of its rows, one at a time: the fp32 temporaries, 4-8 bytes per element
+at once, then cost at most 1 byte per element of the whole, less than a bf16 copy (float8 must
+never cost more memory than bf16). Compiled code takes the whole tensor: inductor fuses the
+work into one pass with no temporaries, as the Triton kernels do."""
+
+EAGER_PIECE_MIN_ELEMENTS = 2**16
+"""Smaller tensors are worked on whole."""
+
+
+def eager_rows_per_piece(rows: int, elements: int) -> int:
+    """How many of a tensor's `rows` (of `elements` in all) the eager torch path takes at a
+    time: all where compiling or for a small tensor, else 1/EAGER_PIECES of them."""
+    if torch.compiler.is_compiling() or elements < EAGER_PIECE_MIN_ELEMENTS:
+        return max(rows, 1)
+    return max(-(-rows // EAGER_PIECES), 1)
+
+
 def _saturated_cast(
     hp: torch.Tensor,
     scale: torch.Tensor,
@@ -218,13 +237,31 @@ def _saturated_cast(
     """The torch path of every non-blockwise cast (and the reference of the kernels).
     `nonfinite_to_nan`: an inf in hp becomes NaN, never a saturated finite value (a delayed
     cast whose scale did not see this step's amax; a dynamic cast's scale turns NaN)."""
+    rows = hp.shape[0] if hp.dim() else 1
+    step = rows if is_traceable_wrapper_subclass(hp) else eager_rows_per_piece(rows, hp.numel())
+    if step >= rows:
+        data = _saturated_cast_whole(hp, scale, float8_dtype, nonfinite_to_nan)
+    else:
+        data = torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
+        # A scale with one value per row of hp (rowwise along the last dim) is cut with it.
+        per_row = scale.dim() == hp.dim() and scale.shape[0] == rows
+        for start in range(0, rows, step):
+            piece = slice(start, start + step)
+            data[piece] = _saturated_cast_whole(
+                hp[piece], scale[piece] if per_row else scale, float8_dtype, nonfinite_to_nan
+            )
+    return _column_major(data) if column_major else data
+
+
+def _saturated_cast_whole(
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, nonfinite_to_nan: bool
+) -> torch.Tensor:
     fp8_max = torch.finfo(float8_dtype).max
     # Saturate before the cast: float8_e4m3fn has no inf, an overflow would become NaN.
     scaled = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max)
     if nonfinite_to_nan:
         scaled = torch.where(torch.isinf(hp), torch.nan, scaled)
-    data = scaled.to(float8_dtype)
-    return _column_major(data) if column_major else data
+    return scaled.to(float8_dtype)
 
 
 def _blockwise_saturated_cast(

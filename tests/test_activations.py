@@ -55,13 +55,14 @@ def test_output_and_gradients_are_swiglu_at_the_float8_copies(device):
 
 @pytest.mark.parametrize("exact_forward", [False, True])
 def test_eager_chunks_of_rows_give_the_same_bits_as_one_pass(monkeypatch, exact_forward):
-    import fp8train.activations
+    import fp8train.cast
 
     gate, up = halves(rows=64, hidden=96, dtype=torch.bfloat16)
     grad = torch.randn_like(gate)
     results = []
-    for chunk in (fp8train.activations.CHUNK_ELEMENTS, 5 * 96 + 7):  # 1 chunk, then 13
-        monkeypatch.setattr(fp8train.activations, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(fp8train.cast, "EAGER_PIECE_MIN_ELEMENTS", 0)
+    for pieces in (1, 13):  # 13 pieces of 5 rows, the last of 4
+        monkeypatch.setattr(fp8train.cast, "EAGER_PIECES", pieces)
         gate.grad = up.grad = None
         out = float8_swiglu(gate, up, exact_forward=exact_forward)
         out.backward(grad)

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from fp8train import Float8LinearConfig, Float8Tensor, Gemm, Role, compute_error, to_float8
+from fp8train import (
+    Float8LinearConfig,
+    Float8Tensor,
+    Gemm,
+    Role,
+    ScalingGranularity,
+    compute_error,
+    to_float8,
+)
 from fp8train.cast import cast_for_gemm, quantize
 from fp8train.scaling import EPS, amax_to_scale
 from tests.conftest import DEVICES, all_roles_config, hp_grad_weight_config
@@ -59,6 +67,45 @@ def test_rowwise_scales_reduce_along_the_given_dim(reduce_dim, scale_shape):
         rowwise_sqnr = compute_error(hp[small], fp8.to_hp()[small])
         tensorwise_sqnr = compute_error(hp[small], to_float8(hp, E4M3).to_hp()[small])
         assert rowwise_sqnr > 25 and rowwise_sqnr > tensorwise_sqnr + 10
+
+
+@pytest.mark.parametrize(
+    ("granularity", "reduce_dim", "shape"),
+    [
+        (ScalingGranularity.TENSORWISE, None, (37, 48)),
+        (ScalingGranularity.TENSORWISE, None, (5, 9, 48)),  # pieces of the first dim
+        (ScalingGranularity.ROWWISE, -1, (37, 48)),  # a scale per row: cut with the rows
+        (ScalingGranularity.ROWWISE, 0, (37, 48)),  # a scale per column: shared by the pieces
+        (ScalingGranularity.BLOCKWISE, None, (256, 256)),
+    ],
+)
+def test_eager_pieces_give_the_bytes_of_one_pass(monkeypatch, granularity, reduce_dim, shape):
+    import fp8train.cast
+
+    hp = torch.randn(shape) * 100
+    hp.view(-1)[::7] = 1e-30  # subnormals and saturated values in every piece
+    hp.view(-1)[::11] = 1e6
+    # Rows of different magnitudes: rowwise scales that differ from row to row.
+    hp *= torch.logspace(-3, 3, shape[0]).view(-1, *[1] * (len(shape) - 1))
+    block = (1, 128) if granularity is ScalingGranularity.BLOCKWISE else None
+    casts = []
+    monkeypatch.setattr(fp8train.cast, "EAGER_PIECE_MIN_ELEMENTS", 0)
+    for pieces in (1, 4, 1000):  # whole, 4 pieces, one row each
+        monkeypatch.setattr(fp8train.cast, "EAGER_PIECES", pieces)
+        fp8 = to_float8(hp, E4M3, granularity, reduce_dim=reduce_dim, block=block)
+        casts.append(fp8._data.view(torch.uint8))
+    assert all(torch.equal(casts[0], other) for other in casts[1:])
+
+
+def test_eager_pieces_turn_an_inf_into_nan_under_a_given_scale(monkeypatch):
+    import fp8train.cast
+
+    monkeypatch.setattr(fp8train.cast, "EAGER_PIECE_MIN_ELEMENTS", 0)
+    hp = torch.ones(16, 8)
+    hp[13, 2] = float("inf")
+    fp8 = quantize(hp, torch.tensor(2.0), E4M3)
+    assert fp8._data.float().isnan().nonzero().tolist() == [[13, 2]]
+    assert (fp8._data.float()[~hp.isinf()] == 2).all()
 
 
 def test_saturates_instead_of_overflowing():
