@@ -24,6 +24,15 @@ Each cell is the peak of torch.cuda.max_memory_allocated() over one fwd+bwd afte
 steps, everything included (parameters, input, gradients), and its ratio to bf16 in the same
 mode. Compiled runs compile per layer (linear cases) or per block (llama), as torchtitan does.
 
+`--device cpu` runs the cases at 1/8 of every size (dims, tokens, heads) on the CPU, in MiB:
+the bytes live before the step plus the highest the CPU allocator's live bytes rose in it
+(benchmarks.memory_trace.cpu_step_memory), less the fp32 scratch of the CPU's float8 gemm,
+which cuBLAS does not have. The save policy and the compiled partition are the same code as on
+the GPU, so what forward holds for backward matches the GPU's table cell for cell; peaks also
+carry the CPU's own kernels (the torch-path casts in eager mode, inductor's C++ code
+compiled), so they approximate the GPU's. For working on memory without a GPU; quote GPU
+figures from a GPU.
+
 A second table gives what forward leaves allocated for backward (memory_allocated after
 forward, less before it and the output): the saved activations and kept casts, wherever the
 peak falls. From it, per case and mode, what recomputing the weight cast saves against
@@ -42,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.memory_trace import print_peak
+from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak
 from benchmarks.utils import markdown_table, print_environment, write_csv
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.models import ModelArgs, Transformer, TransformerBlock, use_float8_swiglu
@@ -56,6 +65,9 @@ except ImportError as error:
     TORCHAO = f"not importable ({error})"
 
 GIB = 2**30
+MIB = 2**20
+CPU_SCALE = 8
+"""On the CPU every size of each case (dims, tokens) is this many times smaller."""
 
 FP8_CONFIGS: dict[str, Float8LinearConfig] = {
     "fp8 default": Float8LinearConfig(),
@@ -79,23 +91,30 @@ class Case:
     """The modules compiled one by one under --compile."""
 
 
-def linear_case(batch: int) -> Case:
+def linear_case(batch: int, dim: int, device: str) -> Case:
     def build() -> nn.Module:
-        return nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(10)])
+        return nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(10)])
 
     def make_input() -> torch.Tensor:
-        return torch.randn(batch, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return torch.randn(batch, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
 
     return Case(build, make_input, nn.Linear)
 
 
-def llama_case(n_layers: int, seq_len: int, batch: int) -> Case:
+def llama_case(n_layers: int, scale: int, device: str) -> Case:
+    """The decoder at 1/`scale` of every size (heads of 128 kept), batch 1."""
+    seq_len = 4096 // scale
     args = ModelArgs(
-        vocab_size=256, dim=4096, n_layers=n_layers, n_heads=32, ffn_dim=14336, max_seq_len=seq_len
+        vocab_size=256,
+        dim=4096 // scale,
+        n_layers=n_layers,
+        n_heads=32 // scale,
+        ffn_dim=14336 // scale,
+        max_seq_len=seq_len,
     )
 
     def make_input() -> torch.Tensor:
-        return torch.randint(0, args.vocab_size, (batch, seq_len), device="cuda")
+        return torch.randint(0, args.vocab_size, (1, seq_len), device=device)
 
     return Case(lambda: Transformer(args), make_input, TransformerBlock)
 
@@ -125,17 +144,19 @@ def compile_units(model: nn.Module, unit: type[nn.Module]) -> None:
 
 
 def measure(model: nn.Module, case: Case, explain: str | None = None) -> tuple[float, float]:
-    """(peak GiB of one fwd+bwd, GiB that forward leaves allocated for backward). With
+    """(peak bytes of one fwd+bwd, bytes that forward leaves allocated for backward). With
     `explain` (a title), then also print what one more fwd+bwd has live at its peak."""
     x = case.make_input()
     out_shape = model(x).shape
-    grad = torch.randn(out_shape, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(out_shape, device=x.device, dtype=torch.bfloat16)
     for _ in range(2):
         model(x).backward(grad)
     model.zero_grad(set_to_none=True)
     if x.grad is not None:
         x.grad = None
     gc.collect()
+    if x.device.type == "cpu":
+        return _measure_cpu(model, x, grad, explain)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -144,45 +165,78 @@ def measure(model: nn.Module, case: Case, explain: str | None = None) -> tuple[f
     held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
     out.backward(grad)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / GIB
+    peak = torch.cuda.max_memory_allocated()
     if explain:
         del out
         model.zero_grad(set_to_none=True)
         x.grad = None
         gc.collect()
         print_peak(lambda: model(x).backward(grad), explain)
-    return peak, held / GIB
+    return peak, held
 
 
-def float8_weight_gib(model: nn.Module) -> float:
+def _measure_cpu(
+    model: nn.Module, x: torch.Tensor, grad: torch.Tensor, explain: str | None
+) -> tuple[float, float]:
+    """`measure` on the CPU: what the step allocates, from the CPU allocator's events, on top
+    of the bytes live before it (parameters, buffers, input and upstream gradient)."""
+    output_bytes = grad.numel() * grad.element_size()
+
+    def step() -> None:
+        out = model(x)
+        with torch.profiler.record_function(BACKWARD_MARK):
+            out.backward(grad)
+
+    step_memory = cpu_step_memory(step)
+    tensors = [*model.parameters(), *model.buffers(), x, grad]
+    before = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+                 .values())  # fmt: skip
+    if explain:
+        sites: dict[tuple[str, str], list[int]] = {}
+        for size, phase, op in step_memory.at_peak:
+            sites.setdefault((phase, op), []).append(size)
+        print(
+            f"\n##### peak {explain}: {(before + step_memory.peak) / MIB:.2f} MiB = "
+            f"{before / MIB:.2f} MiB before the step + {step_memory.peak / MIB:.2f} MiB "
+            "allocated in it; live at the peak, by the operator that allocated it:"
+        )
+        for (phase, op), sizes in sorted(sites.items(), key=lambda item: -sum(item[1]))[:12]:
+            print(f"{sum(sizes) / MIB:9.2f} MiB {len(sizes):4d}x {phase:9s} {op[:90]}")
+    return before + step_memory.peak, step_memory.held - output_bytes
+
+
+def float8_weight_bytes(model: nn.Module) -> int:
     """The bytes of every Float8Linear weight cast to float8 (1 byte per element)."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear)) / GIB
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear))
 
 
-def recompute_savings(held: dict, weight_gib: float) -> str:
+def recompute_savings(held: dict, weight: float, unit: str = "GiB") -> str:
     """What recomputing the weight cast saves between forward and backward against keeping
-    the float8 weight, in GiB and as a share of the float8 weights' bytes."""
+    the float8 weight, in `unit` and as a share of the float8 weights' bytes (`weight`)."""
     saved = held["fp8 keep-weight"] - held["fp8 default"]
-    return f"{saved:.3f} GiB of {weight_gib:.3f} ({100 * saved / weight_gib:.0f}%)"
+    return f"{saved:.3f} {unit} of {weight:.3f} ({100 * saved / weight:.0f}%)"
 
 
 def all_configs() -> list[str]:
     return ["bf16", *FP8_CONFIGS, *(["torchao.float8"] if torchao_float8 is not None else [])]
 
 
-def run(
+def run(  # noqa: PLR0913
     case_names: list[str],
     modes: list[str],
     llama_layers: int,
     configs: list[str] | None = None,
     explain: bool = False,
+    device: str = "cuda",
 ) -> tuple[list, list]:
     """Rows of peaks and rows of what forward holds for backward, per case and mode, over
-    `configs` (default: all; bf16 always, for the ratios)."""
+    `configs` (default: all; bf16 always, for the ratios), in GiB; on the CPU, where every
+    size is CPU_SCALE times smaller, in MiB."""
+    scale, unit = (CPU_SCALE, MIB) if device == "cpu" else (1, GIB)
     cases = {
-        "linear-4096": lambda: linear_case(4096),
-        "linear-16384": lambda: linear_case(16384),
-        "llama": lambda: llama_case(llama_layers, seq_len=4096, batch=1),
+        "linear-4096": lambda: linear_case(4096 // scale, 4096 // scale, device),
+        "linear-16384": lambda: linear_case(16384 // scale, 4096 // scale, device),
+        "llama": lambda: llama_case(llama_layers, scale, device),
     }
     configs = ["bf16", *[c for c in configs or all_configs() if c != "bf16"]]
     rows, held_rows = [], []
@@ -192,27 +246,29 @@ def run(
             row = {"case": case_name, "mode": mode}
             held = dict(row)
             for name in configs:
-                # Built anew for each config from the same seed: nothing else on the GPU.
+                # Built anew for each config from the same seed: nothing else on the device.
                 torch.manual_seed(0)
-                with torch.device("cuda"):
+                with torch.device(device):
                     model = convert(case.build().to(torch.bfloat16), name)
                 if mode == "compiled":
                     torch._dynamo.reset()
                     compile_units(model, case.compile_unit)
                 title = f"{case_name} {mode} {name}" if explain else None
-                row[name], held[name] = measure(model, case, title)
+                peak, held_bytes = measure(model, case, title)
+                row[name], held[name] = peak / unit, held_bytes / unit
                 if name.startswith("fp8"):
-                    held["float8 weights"] = float8_weight_gib(model)
+                    held["float8 weights"] = float8_weight_bytes(model) / unit
                 del model
                 gc.collect()
-                torch.cuda.empty_cache()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
             rows.append(row)
             held_rows.append(held)
     return rows, held_rows
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Each cell as 'GiB (ratio to bf16)'."""
+    """Each cell as 'size (ratio to bf16)'."""
     shown = []
     for row in rows:
         out = {"case": row["case"], "mode": row["mode"], "bf16": f"{row['bf16']:.2f}"}
@@ -247,30 +303,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--llama-layers", type=int, default=4, help="decoder blocks (default 4)")
     parser.add_argument(
-        "--csv", help="also write the raw GiB figures to this CSV file (and those held: NAME-held)"
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help=f"cpu: every case {CPU_SCALE}x smaller in each size, the CPU allocator's bytes "
+        "(the save policy and the compiled partition are the GPU's; the eager casts and "
+        "inductor's kernels are the CPU's own)",
+    )
+    parser.add_argument(
+        "--csv",
+        help="also write the raw figures (GiB; MiB on the CPU) to this CSV file (and those "
+        "held: NAME-held)",
     )
 
 
 def main(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_memory measures CUDA memory: run it on a GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "bench_memory measures CUDA memory and no GPU is visible: run it on a GPU, or pass "
+            f"--device cpu for the cases at 1/{CPU_SCALE} of their sizes on the CPU"
+        )
     print_environment()
-    print(f"- torchao.float8: {TORCHAO}\n")
+    print(f"- torchao.float8: {TORCHAO}")
+    if args.device == "cpu":
+        print(f"- on the CPU: every size of each case divided by {CPU_SCALE}")
+    print()
     if args.configs and "torchao.float8" in args.configs and torchao_float8 is None:
         raise SystemExit(f"--configs names torchao.float8, which is {TORCHAO}")
-    rows, held_rows = run(args.cases, args.modes, args.llama_layers, args.configs, args.explain)
-    print("Peak memory of one forward + backward, GiB (ratio to bf16 in the same mode)\n")
+    rows, held_rows = run(
+        args.cases, args.modes, args.llama_layers, args.configs, args.explain, args.device
+    )
+    unit = "MiB" if args.device == "cpu" else "GiB"
+    print(f"Peak memory of one forward + backward, {unit} (ratio to bf16 in the same mode)\n")
     print(markdown_table(with_ratios(rows)))
-    print("\nHeld by forward for backward, GiB (ratio to bf16 in the same mode)\n")
+    print(f"\nHeld by forward for backward, {unit} (ratio to bf16 in the same mode)\n")
     weights = [row.pop("float8 weights", None) for row in held_rows]
     print(markdown_table(with_ratios(held_rows)))
     print()
-    for row, weight_gib in zip(held_rows, weights, strict=True):
+    for row, weight in zip(held_rows, weights, strict=True):
         if not {"fp8 default", "fp8 keep-weight"} <= row.keys():
             continue
         print(
             f"- {row['case']}, {row['mode']}: recomputing the weight cast saves "
-            f"{recompute_savings(row, weight_gib)} against keeping the float8 weight"
+            f"{recompute_savings(row, weight, unit)} against keeping the float8 weight"
         )
     if args.csv:
         write_csv(rows, args.csv)

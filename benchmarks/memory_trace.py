@@ -1,6 +1,7 @@
 """What is allocated at the peak of a step on the GPU: the CUDA caching allocator's memory
 history over one call, replayed up to its highest point, grouped by the Python line that made
-each live allocation and the step phase it was made in (forward, backward, optimizer).
+each live allocation and the step phase it was made in (forward, backward, optimizer). On the
+CPU, the same from the profiler's record of the CPU allocator (`cpu_step_memory`).
 
 Used by `benchmarks.profile_steps peak` (the end-to-end model's training step) and
 `benchmarks.bench_memory --explain` (each cell of the memory table).
@@ -8,11 +9,15 @@ Used by `benchmarks.profile_steps peak` (the end-to-end model's training step) a
 
 from __future__ import annotations
 
+import itertools
 import linecache
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch._C import _profiler
+from torch.profiler import ProfilerActivity, profile
 
 MIB = 2**20
 GIB = 2**30
@@ -88,3 +93,78 @@ def print_peak(step: Callable[[], object], title: str, top: int = 30) -> None:
     ranked = sorted(sites.items(), key=lambda item: -sum(item[1]))
     for (phase, site), sizes in ranked[:top]:
         print(f"{sum(sizes) / MIB:9.1f} MiB {len(sizes):4d}x {phase:9s} {site}")
+
+
+BACKWARD_MARK = "memory_trace.backward"
+"""Wrap a step's backward in `torch.profiler.record_function(BACKWARD_MARK)` for
+`cpu_step_memory` to tell what forward left for it."""
+
+
+@dataclass
+class CpuStep:
+    """What one step allocated on the CPU, from the CPU allocator's events."""
+
+    peak: int
+    """The highest the step's live bytes rose above where they started."""
+    held: int
+    """The step's live bytes when backward began (BACKWARD_MARK): what forward left."""
+    at_peak: list[tuple[int, str, str]]
+    """(bytes, phase, the operator that allocated them) of each block live at the peak."""
+
+
+CPU_SCRATCH_OPS = ("aten::_scaled_mm",)
+"""Operators whose CPU kernels allocate scratch that their GPU kernels do not: the CPU's
+float8 gemm upcasts both operands and its output to fp32 (cuBLAS needs none of that)."""
+
+
+def cpu_step_memory(step: Callable[[], object]) -> CpuStep:
+    """Run `step` once under the profiler's memory tracking and replay the CPU allocator's
+    events: the CPU's counterpart of `torch.cuda.max_memory_allocated` for one step, less
+    the scratch of CPU_SCRATCH_OPS (a block allocated and freed inside one call of them).
+    Blocks allocated before the step and freed in it are not seen (the allocator reports
+    frees only of blocks it saw allocated), so the step should free none it needs counted."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    # (time, bytes, address, operator, the CPU_SCRATCH_OPS call it is inside, if any)
+    events: list[tuple[int, int, int, str, int | None]] = []
+    backward_start: list[int] = []
+
+    def walk(nodes: list, op: str, scratch_call: int | None) -> None:
+        for node in nodes:
+            if isinstance(node.extra_fields, _profiler._ExtraFields_Allocation):
+                fields = node.extra_fields
+                events.append((node.start_time_ns, fields.alloc_size, fields.ptr, op, scratch_call))
+                continue
+            if node.name == BACKWARD_MARK:
+                backward_start.append(node.start_time_ns)
+            inner = id(node) if node.name in CPU_SCRATCH_OPS else scratch_call
+            walk(node.children, node.name, inner)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree(), "(no operator)", None)
+    events.sort(key=lambda event: event[0])
+    scratch: set[int] = set()
+    allocated_in: dict[int, tuple[int, int | None]] = {}
+    for i, (_, size, address, _, call) in enumerate(events):
+        if size > 0:
+            allocated_in[address] = (i, call)
+        elif address in allocated_in:
+            j, alloc_call = allocated_in.pop(address)
+            if call is not None and alloc_call == call:
+                scratch.update((i, j))
+    events = [e for i, e in enumerate(events) if i not in scratch]
+    mark = min(backward_start, default=None)
+    totals = [0, *itertools.accumulate(e[1] for e in events)]
+    peak = max(totals)
+    # Live bytes just before backward's first allocation (all of them without the mark).
+    held = totals[next((i for i, e in enumerate(events) if mark is not None and e[0] >= mark), -1)]
+    live: dict[int, tuple[int, int, str]] = {}
+    for time, size, address, op, _ in events[: totals.index(peak)]:
+        if size > 0:
+            live[address] = (time, size, op)
+        else:
+            live.pop(address, None)
+    at_peak = [
+        (size, "backward" if mark is not None and time >= mark else "forward", op)
+        for time, size, op in live.values()
+    ]
+    return CpuStep(peak, held, at_peak)

@@ -29,13 +29,13 @@ def test_memory_table_shows_ratios_to_bf16():
 
 
 def test_recompute_savings_against_the_float8_weights_bytes():
-    from benchmarks.bench_memory import float8_weight_gib, recompute_savings
+    from benchmarks.bench_memory import float8_weight_bytes, recompute_savings
     from fp8train import convert_to_float8_training
 
     model = convert_to_float8_training(
         torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64))
     )
-    assert float8_weight_gib(model) == 2 * 64 * 32 / 2**30
+    assert float8_weight_bytes(model) == 2 * 64 * 32
     held = {"fp8 default": 1.0, "fp8 keep-weight": 1.15}
     assert recompute_savings(held, 0.156) == "0.150 GiB of 0.156 (96%)"
 
@@ -60,8 +60,56 @@ def test_bench_memory_float8_swiglu_config_converts_the_linears_and_the_swiglus(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the command runs the benchmark")
 def test_bench_memory_without_a_gpu_says_so():
-    with pytest.raises(SystemExit, match="run it on a GPU"):
+    with pytest.raises(SystemExit, match="run it on a GPU, or pass --device cpu"):
         main(["bench-memory", "--cases", "linear-4096"])
+
+
+def test_bench_memory_runs_the_cases_scaled_down_on_the_cpu(capsys):
+    configs = ["fp8 default", "fp8 keep-weight"]
+    main(["bench-memory", "--device", "cpu", "--cases", "linear-4096", "--modes", "eager",
+          "--configs", *configs, "--explain"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "every size of each case divided by 8" in out
+    assert "Peak memory of one forward + backward, MiB" in out
+    # What forward keeps is the save policy's, to the byte: ten float8 inputs of 512 x 512
+    # (the benchmark's own output left out) against ten bf16 ones, and ten float8 weights more.
+    assert "| linear-4096 | eager | 4.50 | 2.50 (0.56x) | 5.00 (1.11x) |" in out
+    assert "saves 2.500 MiB of 2.500 (100%)" in out
+    assert "##### peak linear-4096 eager fp8 default" in out and "aten::_scaled_mm" in out
+
+
+def test_cpu_step_memory_replays_the_allocators_events():
+    from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory
+
+    kept = []
+
+    def step() -> None:
+        a = torch.empty(1000, dtype=torch.uint8)
+        b = torch.empty(3000, dtype=torch.uint8)
+        kept.append(torch.empty(500, dtype=torch.uint8))
+        del a, b
+        with torch.profiler.record_function(BACKWARD_MARK):
+            c = torch.empty(2000, dtype=torch.uint8)
+            del c
+
+    memory = cpu_step_memory(step)
+    assert memory.peak == 4500  # a, b and the kept block at once
+    assert memory.held == 500  # live when backward began
+    assert sorted(size for size, _, _ in memory.at_peak) == [500, 1000, 3000]
+    assert {phase for _, phase, _ in memory.at_peak} == {"forward"}
+
+
+def test_cpu_step_memory_leaves_out_the_cpu_float8_gemms_scratch():
+    from benchmarks.memory_trace import cpu_step_memory
+
+    a = torch.randn(256, 128).to(torch.float8_e4m3fn)
+    b = torch.randn(64, 128).to(torch.float8_e4m3fn).t()
+    one = torch.ones(())
+    out_bytes = 256 * 64 * 2
+    # The CPU gemm makes fp32 copies of a, b and its output (about 270 KiB here), freed
+    # before it returns; a GPU gemm makes none.
+    memory = cpu_step_memory(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+    assert memory.peak == out_bytes
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the command runs the benchmark")
