@@ -153,7 +153,7 @@ def _by_rows(fn, dtype: torch.dtype, hp: tuple[torch.Tensor, ...], saved: tuple[
         result = fn(*values)
         return tuple(r.to(dtype) for r in (result if isinstance(result, tuple) else (result,)))
 
-    step = eager_rows_per_piece(rows, rows * width)
+    step = eager_rows_per_piece(rows, rows * width, (hp or saved)[0].device)
     if rows <= step:
         return run(slice(None))
     outputs = None

@@ -218,11 +218,16 @@ work into one pass with no temporaries, as the Triton kernels do."""
 EAGER_PIECE_MIN_ELEMENTS = 2**16
 """Smaller tensors are worked on whole."""
 
+EAGER_PIECE_MIN_ELEMENTS_CUDA = 2**22
+"""The same on a GPU, where each piece costs kernel launches (the eager torch path runs there
+for blockwise casts, DTensors aside): below 16 MiB of fp32 temporaries, whole."""
 
-def eager_rows_per_piece(rows: int, elements: int) -> int:
-    """How many of a tensor's `rows` (of `elements` in all) the eager torch path takes at a
-    time: all where compiling or for a small tensor, else 1/EAGER_PIECES of them."""
-    if torch.compiler.is_compiling() or elements < EAGER_PIECE_MIN_ELEMENTS:
+
+def eager_rows_per_piece(rows: int, elements: int, device: torch.device) -> int:
+    """How many of a tensor's `rows` (of `elements` in all, on `device`) the eager torch path
+    takes at a time: all where compiling or for a small tensor, else 1/EAGER_PIECES of them."""
+    smallest = EAGER_PIECE_MIN_ELEMENTS_CUDA if device.type == "cuda" else EAGER_PIECE_MIN_ELEMENTS
+    if torch.compiler.is_compiling() or elements < smallest:
         return max(rows, 1)
     return max(-(-rows // EAGER_PIECES), 1)
 
@@ -238,7 +243,8 @@ def _saturated_cast(
     `nonfinite_to_nan`: an inf in hp becomes NaN, never a saturated finite value (a delayed
     cast whose scale did not see this step's amax; a dynamic cast's scale turns NaN)."""
     rows = hp.shape[0] if hp.dim() else 1
-    step = rows if is_traceable_wrapper_subclass(hp) else eager_rows_per_piece(rows, hp.numel())
+    whole = is_traceable_wrapper_subclass(hp)
+    step = rows if whole else eager_rows_per_piece(rows, hp.numel(), hp.device)
     if step >= rows:
         data = _saturated_cast_whole(hp, scale, float8_dtype, nonfinite_to_nan)
     else:
