@@ -16,7 +16,8 @@ times with dynamo's counters (frames, graph breaks).
                                                  # tensorwise-cast-kernels, -keep-hp-input)
     python -m benchmarks.profile_steps peak      # the end-to-end model's training step: what
                                                  # is allocated at its peak, by line and phase
-                                                 # (CONFIGS=bf16,tensorwise, LAYERS=6)
+                                                 # (CONFIGS=bf16,tensorwise, LAYERS=6); without
+                                                 # a GPU, its peak at 1/8 scale on the CPU
     python -m benchmarks.profile_steps demo      # the demo's CUDA model (8 layers, dim 1024),
                                                  # bf16 and float8, eager and compiled
     ONLY=1 python -m benchmarks.profile_steps demo   # float8 compiled only
@@ -36,7 +37,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
-from benchmarks.memory_trace import print_peak
+from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.demo import lm_loss
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
@@ -117,7 +118,7 @@ def blocks_part():
     tokens = torch.randint(0, 256, (2, 4096), device="cuda")
     default = "bf16,tensorwise,tensorwise-cast-kernels,tensorwise-keep-hp-input"
     for name in os.environ.get("CONFIGS", default).split(","):
-        model = _compiled_blocks(base, name)
+        model = _compiled_blocks(base, name, torch.device("cuda"))
 
         def step():
             lm_loss(model, tokens, tokens).backward()
@@ -152,41 +153,75 @@ def peak_part():
     """What is allocated at the peak of a training step of the end-to-end model (LAYERS
     blocks, compiled, fused AdamW, as examples/train_llama.py trains it), per config
     (CONFIGS, default bf16,tensorwise): the allocations live at the peak, grouped by the line
-    that made them, and the step phase (forward, backward, optimizer) of each."""
+    that made them, and the step phase (forward, backward, optimizer) of each. Without a GPU,
+    the model at 1/8 of every size on the CPU (bench_memory --device cpu says how that
+    compares), with each config's peak against the first's."""
     layers = int(os.environ.get("LAYERS", "6"))
-    a = ModelArgs(dim=4096, n_layers=layers, n_heads=32, ffn_dim=14336, max_seq_len=4096)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scale = 1 if device == "cuda" else 8
+    a = ModelArgs(
+        dim=4096 // scale,
+        n_layers=layers,
+        n_heads=32 // scale,
+        ffn_dim=14336 // scale,
+        max_seq_len=4096 // scale,
+    )
     torch.manual_seed(0)
     base = Transformer(a)
-    tokens = torch.randint(0, 256, (2, 4096), device="cuda")
+    tokens = torch.randint(0, 256, (2, 4096 // scale), device=device)
+    peaks = {}
     for name in os.environ.get("CONFIGS", "bf16,tensorwise").split(","):
-        _peak(name, base, tokens)
+        peaks[name] = _peak(name, base, tokens)
+    if device == "cpu":
+        first = next(iter(peaks.values()))
+        print(
+            f"\nPeak of a training step on the CPU (sizes / {scale}), against {next(iter(peaks))}:"
+        )
+        for name, peak in peaks.items():
+            print(f"- {name}: {peak / 2**20:.2f} MiB, {peak / first:.3f}x")
 
 
-def _compiled_blocks(base: nn.Module, name: str) -> nn.Module:
-    """A bf16 CUDA copy of `base` converted as examples/train_llama.py's config `name`, each
-    block compiled with fullgraph=True, as that example trains it."""
+def _compiled_blocks(base: nn.Module, name: str, device: torch.device) -> nn.Module:
+    """A bf16 copy of `base` on `device` converted as examples/train_llama.py's config
+    `name`, each block compiled with fullgraph=True, as that example trains it."""
     from examples.train_llama import convert
 
     torch._dynamo.reset()
-    model = convert(copy.deepcopy(base).to("cuda", torch.bfloat16), name)
+    model = convert(copy.deepcopy(base).to(device, torch.bfloat16), name)
     for block in model.layers:
         block.compile(fullgraph=True)
     return model
 
 
-def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> None:
-    model = _compiled_blocks(base, name)
+def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
+    """Print the peak of a training step with config `name`; on the CPU return its bytes."""
+    model = _compiled_blocks(base, name, tokens.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
-        lm_loss(model, tokens, tokens).backward()
+        loss = lm_loss(model, tokens, tokens)
+        with torch.profiler.record_function(BACKWARD_MARK):
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     for _ in range(2):
         step()
-    print_peak(step, name)
+    if tokens.is_cuda:
+        print_peak(step, name)
+        return None
+    memory = cpu_step_memory(step)
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    tensors = [*model.parameters(), *model.buffers(), *state, tokens]
+    before = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+                 .values())  # fmt: skip
+    print(
+        f"##### peak {name} (CPU): {(before + memory.peak) / 2**20:.2f} MiB = {before / 2**20:.2f} "
+        f"MiB of parameters and AdamW state + {memory.peak / 2**20:.2f} MiB allocated in the "
+        f"step; forward left {memory.held / 2**20:.2f} MiB for backward"
+    )
+    return before + memory.peak
 
 
 def demo_part():

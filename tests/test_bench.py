@@ -269,3 +269,16 @@ def test_peak_report_finds_what_is_live_at_the_peak():
     live, best = live_at_peak(trace)
     assert best == 40 and sorted(e["addr"] for e in live) == [1, 2]
     assert live_at_peak([]) == ([], 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU: the full-size model's CUDA peak")
+def test_profile_steps_peak_compares_the_configs_on_the_cpu(capsys, monkeypatch):
+    from benchmarks.profile_steps import peak_part
+
+    monkeypatch.setenv("LAYERS", "1")
+    monkeypatch.setenv("CONFIGS", "bf16,tensorwise")
+    peak_part()
+    out = capsys.readouterr().out
+    assert "##### peak tensorwise (CPU)" in out and "forward left" in out
+    assert "Peak of a training step on the CPU (sizes / 8), against bf16:" in out
+    assert "- bf16: " in out and "1.000x" in out
