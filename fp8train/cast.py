@@ -274,8 +274,9 @@ def _blockwise_saturated_cast(
     hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
 ) -> torch.Tensor:
     (sr, sc), (r, c) = scale.shape, hp.shape
-    blocked = blocks(hp, (r // sr, c // sc)).to(torch.float32) * scale[:, None, :, None]
-    return _saturated_cast(blocked, torch.ones((), device=hp.device), float8_dtype).reshape(r, c)
+    # A block row of hp is a row of the blocked view, and its scales one row of the scale.
+    blocked = blocks(hp, (r // sr, c // sc))
+    return _saturated_cast(blocked, scale[:, None, :, None], float8_dtype).reshape(r, c)
 
 
 def _column_major(data: torch.Tensor) -> torch.Tensor:

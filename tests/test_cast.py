@@ -70,16 +70,19 @@ def test_rowwise_scales_reduce_along_the_given_dim(reduce_dim, scale_shape):
 
 
 @pytest.mark.parametrize(
-    ("granularity", "reduce_dim", "shape"),
+    ("granularity", "reduce_dim", "block", "shape"),
     [
-        (ScalingGranularity.TENSORWISE, None, (37, 48)),
-        (ScalingGranularity.TENSORWISE, None, (5, 9, 48)),  # pieces of the first dim
-        (ScalingGranularity.ROWWISE, -1, (37, 48)),  # a scale per row: cut with the rows
-        (ScalingGranularity.ROWWISE, 0, (37, 48)),  # a scale per column: shared by the pieces
-        (ScalingGranularity.BLOCKWISE, None, (256, 256)),
+        (ScalingGranularity.TENSORWISE, None, None, (37, 48)),
+        (ScalingGranularity.TENSORWISE, None, None, (5, 9, 48)),  # pieces of the first dim
+        (ScalingGranularity.ROWWISE, -1, None, (37, 48)),  # a scale per row: cut with the rows
+        (ScalingGranularity.ROWWISE, 0, None, (37, 48)),  # a scale per column: shared
+        (ScalingGranularity.BLOCKWISE, None, (1, 128), (256, 256)),  # pieces of rows
+        (ScalingGranularity.BLOCKWISE, None, (128, 128), (512, 256)),  # pieces of block rows
     ],
 )
-def test_eager_pieces_give_the_bytes_of_one_pass(monkeypatch, granularity, reduce_dim, shape):
+def test_eager_pieces_give_the_bytes_of_one_pass(
+    monkeypatch, granularity, reduce_dim, block, shape
+):
     import fp8train.cast
 
     hp = torch.randn(shape) * 100
@@ -87,7 +90,6 @@ def test_eager_pieces_give_the_bytes_of_one_pass(monkeypatch, granularity, reduc
     hp.view(-1)[::11] = 1e6
     # Rows of different magnitudes: rowwise scales that differ from row to row.
     hp *= torch.logspace(-3, 3, shape[0]).view(-1, *[1] * (len(shape) - 1))
-    block = (1, 128) if granularity is ScalingGranularity.BLOCKWISE else None
     casts = []
     monkeypatch.setattr(fp8train.cast, "EAGER_PIECE_MIN_ELEMENTS", 0)
     for pieces in (1, 4, 1000):  # whole, 4 pieces, one row each
