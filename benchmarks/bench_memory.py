@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak
+from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak, storage_bytes
 from benchmarks.utils import markdown_table, print_environment, write_csv
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.models import ModelArgs, Transformer, TransformerBlock, use_float8_swiglu
@@ -189,8 +189,7 @@ def _measure_cpu(
 
     step_memory = cpu_step_memory(step)
     tensors = [*model.parameters(), *model.buffers(), x, grad]
-    before = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-                 .values())  # fmt: skip
+    before = storage_bytes(tensors)
     if explain:
         sites: dict[tuple[str, str], list[int]] = {}
         for size, phase, op in step_memory.at_peak:

@@ -112,6 +112,12 @@ class CpuStep:
     """(bytes, phase, the operator that allocated them) of each block live at the peak."""
 
 
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of the storages behind `tensors`, each counted once (views share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 CPU_SCRATCH_OPS = ("aten::_scaled_mm",)
 """Operators whose CPU kernels allocate scratch that their GPU kernels do not: the CPU's
 float8 gemm upcasts both operands and its output to fp32 (cuBLAS needs none of that)."""

@@ -37,7 +37,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
-from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak
+from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak, storage_bytes
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.demo import lm_loss
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
@@ -214,8 +214,7 @@ def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
     memory = cpu_step_memory(step)
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     tensors = [*model.parameters(), *model.buffers(), *state, tokens]
-    before = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-                 .values())  # fmt: skip
+    before = storage_bytes(tensors)
     print(
         f"##### peak {name} (CPU): {(before + memory.peak) / 2**20:.2f} MiB = {before / 2**20:.2f} "
         f"MiB of parameters and AdamW state + {memory.peak / 2**20:.2f} MiB allocated in the "
