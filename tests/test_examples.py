@@ -1,5 +1,6 @@
 """examples/train_llama.py end to end on the CPU, at toy size: every run trains, the table and
-the plot are written, gradient accumulation and activation checkpointing run."""
+the plot are written, gradient accumulation and activation checkpointing run; and its reports
+(examples/e2e_report.py) over several seeds."""
 
 import argparse
 import importlib.util
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from examples import train_llama
+from examples import e2e_report, train_llama
 
 
 def run(tmp_path, *argv: str) -> list[dict]:  # noqa: ANN001
@@ -47,7 +48,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
 
 
 def test_several_seeds_compare_each_run_with_the_baseline_of_its_seed(tmp_path, capsys):
-    from examples.train_llama import summarize
+    from examples.e2e_report import summarize
 
     rows = run(tmp_path, "--configs", "bf16", "tensorwise", "--seeds", "0", "1")
     assert [(r["config"], r["seed"]) for r in rows] == [
@@ -102,10 +103,10 @@ def test_runs_of_several_json_files_are_summarized_over_all_their_seeds(tmp_path
         tmp_path / "b.json", "bfloat16",
         [("bf16", 2, 2.0), ("bf16", 2, 2.1), ("tensorwise", 2, 2.04)],
     )  # fmt: skip
-    rows, base = train_llama.load_runs([second, first])
+    rows, base = e2e_report.load_runs([second, first])
     assert base == "bf16" and [r["seed"] for r in rows] == [0, 0, 1, 1, 2, 2, 2]
     assert [r["val_loss"] for r in rows if r["seed"] == 2] == [2.0, 2.1, 2.04]
-    summary = {entry["config"]: entry for entry in train_llama.summarize(rows, base)}
+    summary = {entry["config"]: entry for entry in e2e_report.summarize(rows, base)}
     assert summary["tensorwise"]["seeds"] == 3
     assert summary["tensorwise"]["val vs bf16 % mean"] == pytest.approx((1 - 1 + 2) / 3)
     # The baseline run again in one process is its own row, not mixed into the baseline's.
@@ -113,38 +114,38 @@ def test_runs_of_several_json_files_are_summarized_over_all_their_seeds(tmp_path
     assert summary["bf16 again"]["seeds"] == 1
     assert summary["bf16 again"]["val vs bf16 % mean"] == pytest.approx(5)
 
-    train_llama.print_summary(rows, base)
+    e2e_report.print_summary(rows, base)
     assert "over 3 seeds (0, 1, 2)" in capsys.readouterr().out
     if importlib.util.find_spec("matplotlib"):
-        train_llama.plot_differences(rows, base, str(tmp_path / "differences.png"), "a caption")
+        e2e_report.plot_differences(rows, base, str(tmp_path / "differences.png"), "a caption")
         assert (tmp_path / "differences.png").stat().st_size > 0
 
 
 def test_runs_are_compared_with_another_config_of_their_seed(tmp_path, capsys):
     # One float8 config against another, paired by seed; a seed without that config is left
     # out of the comparison rather than compared with something else.
-    rows, base = train_llama.load_runs([_run_record(
+    rows, base = e2e_report.load_runs([_run_record(
         tmp_path / "a.json", "bfloat16",
         [("bf16", 0, 2.0), ("tensorwise", 0, 2.0), ("rowwise", 0, 2.02),
          ("rowwise", 1, 2.2), ("bf16", 1, 2.0), ("tensorwise", 1, 2.1),
          ("bf16", 2, 2.0), ("rowwise", 2, 2.0)],
     )])  # fmt: skip
-    assert train_llama.seeds_with(rows, "tensorwise") == [0, 1]
-    summary = {e["config"]: e for e in train_llama.summarize(rows, base, against="tensorwise")}
+    assert e2e_report.seeds_with(rows, "tensorwise") == [0, 1]
+    summary = {e["config"]: e for e in e2e_report.summarize(rows, base, against="tensorwise")}
     assert summary["tensorwise"]["val vs tensorwise % mean"] == 0
     assert summary["rowwise"]["seeds"] == 2
     assert summary["rowwise"]["val vs tensorwise % mean"] == pytest.approx((1 + 100 / 21) / 2)
     assert summary["bf16"]["val vs tensorwise % range"] == f"{-100 / 21:+.2f} to +0.00"
     # The default is still the baseline, with every seed.
-    assert train_llama.summarize(rows, base)[0]["seeds"] == 3
+    assert e2e_report.summarize(rows, base)[0]["seeds"] == 3
 
-    train_llama.print_summary(rows, base, against="tensorwise")
+    e2e_report.print_summary(rows, base, against="tensorwise")
     out = capsys.readouterr().out
     assert "over 2 seeds (0, 1), each against tensorwise of the same seed" in out
     assert "val vs tensorwise % mean" in out
     if importlib.util.find_spec("matplotlib"):
         path = tmp_path / "paired.png"
-        train_llama.plot_differences(rows, base, str(path), against="tensorwise")
+        e2e_report.plot_differences(rows, base, str(path), against="tensorwise")
         assert path.stat().st_size > 0
 
 
@@ -172,13 +173,13 @@ def test_summarizing_json_files_refuses_a_seed_twice_and_mixed_dtypes(tmp_path):
     first = _run_record(tmp_path / "a.json", "bfloat16", [("bf16", 0, 2.0)])
     again = _run_record(tmp_path / "b.json", "bfloat16", [("bf16", 0, 2.1)])
     with pytest.raises(SystemExit, match="seed 0 is in both .*a.json and .*b.json"):
-        train_llama.load_runs([first, again])
+        e2e_report.load_runs([first, again])
     fp32 = _run_record(tmp_path / "c.json", "float32", [("bf16", 1, 2.0)])
     with pytest.raises(SystemExit, match="different dtypes"):
-        train_llama.load_runs([first, fp32])
+        e2e_report.load_runs([first, fp32])
     no_base = _run_record(tmp_path / "d.json", "bfloat16", [("tensorwise", 3, 2.0)])
     with pytest.raises(SystemExit, match="d.json has no bf16 run of seed 3"):
-        train_llama.load_runs([first, no_base])
+        e2e_report.load_runs([first, no_base])
 
 
 def test_configs_run_in_the_order_given_and_compare_with_the_first_baseline_run(tmp_path):
@@ -186,7 +187,7 @@ def test_configs_run_in_the_order_given_and_compare_with_the_first_baseline_run(
     # process does not move its loss.
     rows = run(tmp_path, "--configs", "tensorwise", "bf16", "bf16", "--steps", "3")
     assert [r["config"] for r in rows] == ["tensorwise", "bf16", "bf16"]
-    table = {entry["config"]: entry for entry in train_llama.compare(rows, "fp32")}
+    table = {entry["config"]: entry for entry in e2e_report.compare(rows, "fp32")}
     assert table["fp32"]["val vs fp32 %"] == 0
     # fp32 is deterministic on the CPU: the repeat lands on the same losses.
     assert table["fp32 again"]["val vs fp32 %"] == 0
@@ -195,7 +196,7 @@ def test_configs_run_in_the_order_given_and_compare_with_the_first_baseline_run(
         100 * (rows[0]["val_loss"] / rows[1]["val_loss"] - 1)
     )
     # Any config named again is its own row, as is a third run.
-    labels = [e["config"] for e in train_llama.compare(rows + rows[:2], "fp32")]
+    labels = [e["config"] for e in e2e_report.compare(rows + rows[:2], "fp32")]
     assert labels == ["tensorwise", "fp32", "fp32 again", "tensorwise again", "fp32 again (3)"]
     # Without the baseline named, it runs first.
     assert [r["config"] for r in run(tmp_path, "--configs", "rowwise", "--steps", "2")] == [
