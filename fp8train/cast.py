@@ -227,6 +227,7 @@ def eager_rows_per_piece(rows: int, elements: int, device: torch.device) -> int:
     """How many of a tensor's `rows` (of `elements` in all, on `device`) the eager torch path
     takes at a time: all where compiling or for a small tensor, else 1/EAGER_PIECES of them."""
     smallest = EAGER_PIECE_MIN_ELEMENTS_CUDA if device.type == "cuda" else EAGER_PIECE_MIN_ELEMENTS
+    # Compiling first: under dynamic shapes the size test would install a guard.
     if torch.compiler.is_compiling() or elements < smallest:
         return max(rows, 1)
     return max(-(-rows // EAGER_PIECES), 1)
