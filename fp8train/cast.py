@@ -244,9 +244,10 @@ def _saturated_cast(
     `nonfinite_to_nan`: an inf in hp becomes NaN, never a saturated finite value (a delayed
     cast whose scale did not see this step's amax; a dynamic cast's scale turns NaN)."""
     rows = hp.shape[0] if hp.dim() else 1
-    whole = is_traceable_wrapper_subclass(hp)
+    # Compiled code (whose sizes may be symbolic: no size test, no guard) and DTensors whole.
+    whole = torch.compiler.is_compiling() or is_traceable_wrapper_subclass(hp)
     step = rows if whole else eager_rows_per_piece(rows, hp.numel(), hp.device)
-    if step >= rows:
+    if whole or step >= rows:
         data = _saturated_cast_whole(hp, scale, float8_dtype, nonfinite_to_nan)
     else:
         data = torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
