@@ -44,7 +44,11 @@ Measured (H100, the end-to-end model of examples/train_llama.py, 300 steps, seve
 peak memory 0.80x bf16's against tensorwise's 0.88x, 3% fewer tokens/s than tensorwise, and
 validation loss 2.6% above tensorwise's of the same seed on six of six seeds
 (benchmarks/results/e2e_h100_2026-12-05.md). So it is off by default: a trade of loss for
-memory, not a free saving.
+memory, not a free saving. With exact_forward=True, on the same model: peak 0.834x bf16's,
+2.3% fewer tokens/s than tensorwise, and validation loss against tensorwise of -1.00%, -0.29%
+and +4.13% over three seeds. The +4.13% came from a run placed last in its process, and
+deterministic mode gives -0.80% on that seed. Too few seeds to call it free; off by default
+too.
 """
 
 from __future__ import annotations
