@@ -250,6 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--deterministic", action="store_true", help="torch's deterministic algorithms "
         "(strict) and a fixed cuBLAS workspace: a config run twice lands on the same losses, "
         "where the ops allow it (slower)")  # fmt: skip
+    add("--full-precision-reductions", action="store_true", help="bf16 and fp16 gemms "
+        "reduce in fp32 only (torch allows reduced-precision split-K by default)")  # fmt: skip
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -288,6 +290,28 @@ def deterministic_algorithms(enabled: bool):  # noqa: ANN201
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.benchmark = before[1]
+
+
+@contextmanager
+def full_precision_reductions(enabled: bool):  # noqa: ANN201
+    """With `enabled`, no reduced-precision reductions in bf16 and fp16 gemms for the
+    duration (cuBLAS may otherwise pick split-K kernels that add partial sums in bf16), the
+    previous setting after: a check of whether cuBLAS's choices move a run's loss."""
+    matmul = torch.backends.cuda.matmul
+    before = (
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    )
+    if enabled:
+        matmul.allow_bf16_reduced_precision_reduction = False
+        matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        (
+            matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction,
+        ) = before
 
 
 def write_json(args: argparse.Namespace, run_environment: dict, rows: list[dict]) -> None:
@@ -340,7 +364,10 @@ def main(args: argparse.Namespace) -> list[dict]:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             torch._dynamo.reset()
-            with deterministic_algorithms(args.deterministic):
+            with (
+                deterministic_algorithms(args.deterministic),
+                full_precision_reductions(args.full_precision_reductions),
+            ):
                 rows.append(train(name, initial, data, args, seed))
             row = rows[-1]
             print(

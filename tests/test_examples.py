@@ -149,6 +149,26 @@ def test_runs_are_compared_with_another_config_of_their_seed(tmp_path, capsys):
         assert path.stat().st_size > 0
 
 
+def test_full_precision_reductions_hold_for_the_runs_and_are_restored(tmp_path, monkeypatch):
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    assert matmul.allow_bf16_reduced_precision_reduction
+    seen = []
+    train = train_llama.train
+
+    def recording_train(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append((matmul.allow_bf16_reduced_precision_reduction,
+                     matmul.allow_fp16_reduced_precision_reduction))  # fmt: skip
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(train_llama, "train", recording_train)
+    run(tmp_path, "--configs", "bf16", "--steps", "2", "--full-precision-reductions")
+    assert seen == [(False, False)]
+    assert matmul.allow_bf16_reduced_precision_reduction
+    assert matmul.allow_fp16_reduced_precision_reduction
+
+
 def test_deterministic_runs_train_and_leave_the_setting_as_it_was(tmp_path):
     import torch
 
