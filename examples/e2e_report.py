@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from benchmarks.utils import markdown_table
+from benchmarks.utils import command_line, markdown_table
 
 BASE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 """The name of the run without float8 in the tables, by --dtype."""
@@ -221,3 +221,18 @@ def plot_differences(
 def caption_of(environment: dict[str, str]) -> str:
     keys = ("device", "torch", "date", "command")
     return " | ".join(environment[key] for key in keys if key in environment)
+
+
+def caption_of_files(paths: list[str]) -> str:
+    """A plot's caption for the runs of several --json files: their devices, torch versions
+    and dates, and the command that plots them (the runs' own commands are in the files)."""
+    environments = []
+    for path in paths:
+        with open(path) as handle:
+            environments.append(json.load(handle).get("environment", {}))
+    parts = [
+        prefix + ", ".join(dict.fromkeys(e[key] for e in environments if key in e))
+        for key, prefix in (("device", ""), ("torch", "torch "), ("date", ""))
+        if any(key in e for e in environments)
+    ]
+    return " | ".join([*parts, command_line()])

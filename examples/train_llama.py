@@ -39,6 +39,7 @@ from benchmarks.utils import environment
 from examples.e2e_report import (
     BASE_NAMES,
     caption_of,
+    caption_of_files,
     load_runs,
     plot,
     plot_differences,
@@ -391,7 +392,8 @@ if __name__ == "__main__":
     add_arguments(parser)
     parser.add_argument("--plot-json", help="only plot a --json file of an earlier run to --plot")
     parser.add_argument("--caption", help="with --plot-json (default: the file's) or "
-                        "--summarize-json: the plot's caption")  # fmt: skip
+                        "--summarize-json (default: the files' devices, torch versions and "
+                        "dates, and this command): the plot's caption")  # fmt: skip
     parser.add_argument(
         "--summarize-json",
         nargs="+",
@@ -420,7 +422,8 @@ if __name__ == "__main__":
             print_seed(runs, seed, base, against)
         print_summary(runs, base, against)
         if parsed.plot:
-            plot_differences(runs, base, parsed.plot, parsed.caption or "", against=against)
+            caption = parsed.caption or caption_of_files(parsed.summarize_json)
+            plot_differences(runs, base, parsed.plot, caption, against=against)
             print(f"differences by seed: {parsed.plot}")
     elif parsed.plot_json:
         with open(parsed.plot_json) as handle:

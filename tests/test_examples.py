@@ -245,3 +245,18 @@ def test_summarize_json_from_the_command_line(tmp_path):
     assert "seed 2: no tensorwise run, left out" in out
     assert "over 2 seeds (0, 1), each against tensorwise of the same seed" in out
     assert "| bf16 | 2 |" in out
+
+
+def test_a_plot_over_several_files_is_captioned_with_their_machines_and_its_command(
+    tmp_path, monkeypatch
+):
+    paths = []
+    for name, date in (("a.json", "2026-12-04"), ("b.json", "2026-12-05")):
+        environment = {"device": "NVIDIA H100", "torch": "2.11.0", "date": date, "command": "x"}
+        (tmp_path / name).write_text(json.dumps({"environment": environment}))
+        paths.append(str(tmp_path / name))
+    monkeypatch.setattr("sys.argv", ["train_llama.py", "--summarize-json", *paths])
+    caption = e2e_report.caption_of_files(paths)
+    # Each fact once, in the files' order, then the plotting command with the files by name.
+    assert caption.startswith("NVIDIA H100 | torch 2.11.0 | 2026-12-04, 2026-12-05 | ")
+    assert caption.endswith("--summarize-json a.json b.json")
