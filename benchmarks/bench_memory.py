@@ -101,20 +101,25 @@ def linear_case(batch: int, dim: int, device: str) -> Case:
     return Case(build, make_input, nn.Linear)
 
 
-def llama_case(n_layers: int, scale: int, device: str) -> Case:
-    """The decoder at 1/`scale` of every size (heads of 128 kept), batch 1."""
-    seq_len = 4096 // scale
-    args = ModelArgs(
+def llama_args(n_layers: int, scale: int = 1) -> ModelArgs:
+    """The end-to-end decoder's sizes (d=4096, 32 heads, FFN 14336, seq 4096) at 1/`scale`
+    of each, heads of 128 kept."""
+    return ModelArgs(
         vocab_size=256,
         dim=4096 // scale,
         n_layers=n_layers,
         n_heads=32 // scale,
         ffn_dim=14336 // scale,
-        max_seq_len=seq_len,
+        max_seq_len=4096 // scale,
     )
 
+
+def llama_case(n_layers: int, scale: int, device: str) -> Case:
+    """The decoder at 1/`scale` of every size (llama_args), batch 1."""
+    args = llama_args(n_layers, scale)
+
     def make_input() -> torch.Tensor:
-        return torch.randint(0, args.vocab_size, (1, seq_len), device=device)
+        return torch.randint(0, args.vocab_size, (1, args.max_seq_len), device=device)
 
     return Case(lambda: Transformer(args), make_input, TransformerBlock)
 

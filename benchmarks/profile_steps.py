@@ -37,6 +37,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
+from benchmarks.bench_memory import CPU_SCALE, llama_args
 from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak, storage_bytes
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.demo import lm_loss
@@ -158,17 +159,11 @@ def peak_part():
     compares), with each config's peak against the first's."""
     layers = int(os.environ.get("LAYERS", "6"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    scale = 1 if device == "cuda" else 8
-    a = ModelArgs(
-        dim=4096 // scale,
-        n_layers=layers,
-        n_heads=32 // scale,
-        ffn_dim=14336 // scale,
-        max_seq_len=4096 // scale,
-    )
+    scale = 1 if device == "cuda" else CPU_SCALE
+    a = llama_args(layers, scale)
     torch.manual_seed(0)
     base = Transformer(a)
-    tokens = torch.randint(0, 256, (2, 4096 // scale), device=device)
+    tokens = torch.randint(0, a.vocab_size, (2, a.max_seq_len), device=device)
     peaks = {}
     for name in os.environ.get("CONFIGS", "bf16,tensorwise").split(","):
         peaks[name] = _peak(name, base, tokens)
