@@ -23,6 +23,11 @@ def reference_label(base_name: str, against: str = "bf16") -> str:
     return base_name if against == "bf16" else against
 
 
+def base_label(config: str, base_name: str) -> str:
+    """A config's name in the tables: the baseline's ("bf16", "bf16-nudged") named by --dtype."""
+    return base_name + config.removeprefix("bf16") if config.startswith("bf16") else config
+
+
 def compare(rows: list[dict], base_name: str, against: str = "bf16") -> list[dict]:
     """Each run against the first run of config `against` (by default "bf16", the run without
     float8, in --dtype): tokens/s and memory ratios, loss differences in %."""
@@ -32,7 +37,7 @@ def compare(rows: list[dict], base_name: str, against: str = "bf16") -> list[dic
     runs_of: dict[str, int] = {}
     for row in rows:
         # A config run again in the process is its own row (for the baseline: its own spread).
-        label = base_name if row["config"] == "bf16" else row["config"]
+        label = base_label(row["config"], base_name)
         runs_of[label] = runs_of.get(label, 0) + 1
         if runs_of[label] == 2:
             label = f"{label} again"

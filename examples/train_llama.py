@@ -80,6 +80,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 CONFIGS = (
     "bf16",  # the baseline: no float8 (in --dtype, bf16 on the GPU)
+    "bf16-nudged",  # the baseline from weights nudged by an ulp: the loss comparison's noise
     "tensorwise",
     "tensorwise-delayed",
     "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
@@ -105,9 +106,26 @@ def keep_lm_head(module: nn.Module, fqn: str) -> bool:
     return fqn != "lm_head"
 
 
+def nudge(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every parameter multiplied by 1 + eps or 1 - eps of its dtype (eps: the distance from
+    1.0 to the next number), the sign drawn at random: each value moves by one or two units
+    in its last place. In bf16 that is what rounding one optimizer step already does, and far
+    below float8's rounding of the gemm operands (eps 2**-3 in e4m3). A loss difference that
+    the nudge alone produces is the noise of the run, not a cost of float8."""
+    with torch.no_grad():
+        for param in model.parameters():
+            generator = torch.Generator(param.device).manual_seed(seed)
+            sign = torch.empty_like(param).bernoulli_(0.5, generator=generator).mul_(2).sub_(1)
+            param.mul_(sign.mul_(torch.finfo(param.dtype).eps).add_(1))
+            seed += 1
+    return model
+
+
 def convert(model: nn.Module, name: str) -> nn.Module:
     if name == "bf16":
         return model
+    if name == "bf16-nudged":
+        return nudge(model)
     if name.startswith("torchao-"):
         ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(
             name.removeprefix("torchao-")
@@ -181,7 +199,7 @@ def train(
         weight_decay=0.1,
         fused=device.type == "cuda",
     )
-    ours = name != "bf16" and not name.startswith("torchao-")
+    ours = not name.startswith(("bf16", "torchao-"))
     stream = batches(
         data["train"], args.batch_size, args.seq_len, torch.Generator().manual_seed(seed)
     )

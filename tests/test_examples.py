@@ -3,6 +3,7 @@ the plot are written, gradient accumulation and activation checkpointing run; an
 (examples/e2e_report.py) over several seeds."""
 
 import argparse
+import copy
 import importlib.util
 import json
 
@@ -260,3 +261,27 @@ def test_a_plot_over_several_files_is_captioned_with_their_machines_and_its_comm
     # Each fact once, in the files' order, then the plotting command with the files by name.
     assert caption.startswith("NVIDIA H100 | torch 2.11.0 | 2026-12-04, 2026-12-05 | ")
     assert caption.endswith("--summarize-json a.json b.json")
+
+
+def test_the_nudged_baseline_moves_every_weight_by_an_ulp_and_is_labelled_by_dtype(tmp_path):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    for dtype in (torch.float32, torch.bfloat16):
+        before = [p.detach().to(dtype).clone() for p in model.parameters()]
+        nudged = train_llama.nudge(copy.deepcopy(model).to(dtype))
+        for old, new in zip(before, nudged.parameters()):
+            step = (new.detach().float() - old.float()).abs()
+            ulp = torch.finfo(dtype).eps * old.float().abs()  # one ulp is eps/2 to eps of |x|
+            assert ((step > 0) | (old == 0)).all()
+            assert (step <= 2 * ulp).all()
+            up = new.detach().float() > old.float()
+            assert 0.3 < up.float().mean() < 0.7  # up or down at random, not all one way
+        # the same nudge each time, so that a seed's nudged run can be repeated
+        again = train_llama.nudge(copy.deepcopy(model).to(dtype))
+        assert all(torch.equal(a, b) for a, b in zip(nudged.parameters(), again.parameters()))
+    rows = run(tmp_path, "--configs", "bf16", "bf16-nudged", "--steps", "3")
+    # Same batches, weights an ulp apart: the runs agree closely but not bitwise.
+    assert rows[1]["losses"] != rows[0]["losses"]
+    assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4)
+    labels = [entry["config"] for entry in e2e_report.compare(rows, "fp32")]
+    assert labels == ["fp32", "fp32-nudged"]
