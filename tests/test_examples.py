@@ -8,6 +8,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from examples import e2e_report, train_llama
 
@@ -264,7 +265,6 @@ def test_a_plot_over_several_files_is_captioned_with_their_machines_and_its_comm
 
 
 def test_the_nudged_baseline_moves_every_weight_by_a_bf16_ulp_and_is_labelled_by_dtype(tmp_path):
-    torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     for dtype in (torch.float32, torch.bfloat16):
         before = [p.detach().to(dtype).clone() for p in model.parameters()]
