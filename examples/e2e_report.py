@@ -156,9 +156,18 @@ def load_runs(paths: list[str]) -> tuple[list[dict], str]:
     return rows, base_names.pop()
 
 
-def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> None:
+def curve_label(row: dict, base_name: str, several_seeds: bool) -> str:
+    """A run's name in the loss-curve legend, the baseline named by its dtype."""
+    label = base_label(row["config"], base_name)
+    return f"{label} seed {row['seed']}" if several_seeds else label
+
+
+def plot(
+    rows: list[dict], path: str, caption: str = "", smooth: int = 10, base_name: str = "bf16"
+) -> None:
     """Loss curves of every run, from `main`'s rows or a --json file's "runs"; `caption`
-    (the GPU, torch, date and command) under the axes."""
+    (the GPU, torch, date and command) under the axes; `base_name` names the baseline (the
+    --dtype's: "bf16", "fp32")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +179,7 @@ def plot(rows: list[dict], path: str, caption: str = "", smooth: int = 10) -> No
         losses = torch.tensor(row["losses"])
         window = min(smooth, len(losses))
         smoothed = losses.unfold(0, window, 1).mean(1)
-        label = f"{row['config']} seed {row['seed']}" if several else row["config"]
+        label = curve_label(row, base_name, several)
         axes.plot(range(window - 1, len(losses)), smoothed, label=label, linewidth=1)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(f"train loss (mean of {smooth} steps)")

@@ -413,7 +413,7 @@ def main(args: argparse.Namespace) -> list[dict]:
         print_seed(rows, seed, base_name)
     print_summary(rows, base_name)
     if args.plot:
-        plot(rows, args.plot, caption_of(run_environment))
+        plot(rows, args.plot, caption_of(run_environment), base_name=base_name)
         print(f"loss curves: {args.plot}")
     return rows
 
@@ -460,6 +460,7 @@ if __name__ == "__main__":
         with open(parsed.plot_json) as handle:
             record = json.load(handle)
         caption = parsed.caption or caption_of(record.get("environment", {}))
-        plot(record["runs"], parsed.plot or "loss.png", caption)
+        base_name = BASE_NAMES[record.get("args", {}).get("dtype", "bfloat16")]
+        plot(record["runs"], parsed.plot or "loss.png", caption, base_name=base_name)
     else:
         main(parsed)

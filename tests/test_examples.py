@@ -305,3 +305,11 @@ def test_warmup_steps_set_the_learning_rate_ramp_and_refuse_a_ramp_outside_the_r
     for bad in ("0", "4"):
         with pytest.raises(SystemExit, match=f"--warmup-steps {bad}: give 1 to --steps"):
             run(tmp_path, "--configs", "bf16", "--steps", "3", "--warmup-steps", bad)
+
+
+def test_loss_curves_name_the_baseline_by_its_dtype():
+    rows = [{"config": c, "seed": 3} for c in ("bf16", "bf16-nudged", "tensorwise")]
+    assert [e2e_report.curve_label(r, "fp32", False) for r in rows] == [
+        "fp32", "fp32-nudged", "tensorwise",
+    ]  # fmt: skip
+    assert e2e_report.curve_label(rows[0], "bf16", True) == "bf16 seed 3"
