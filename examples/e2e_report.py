@@ -17,15 +17,15 @@ BASE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 """The name of the run without float8 in the tables, by --dtype."""
 
 
-def reference_label(base_name: str, against: str = "bf16") -> str:
-    """The name in the tables of the config that runs are compared with: the baseline's by
-    --dtype ("bf16", "fp32", ...), or the config named by --against."""
-    return base_name if against == "bf16" else against
-
-
 def base_label(config: str, base_name: str) -> str:
     """A config's name in the tables: the baseline's ("bf16", "bf16-nudged") named by --dtype."""
     return base_name + config.removeprefix("bf16") if config.startswith("bf16") else config
+
+
+def reference_label(base_name: str, against: str = "bf16") -> str:
+    """The name in the tables of the config that runs are compared with (--against, by
+    default the baseline), as `compare` labels its row."""
+    return base_label(against, base_name)
 
 
 def compare(rows: list[dict], base_name: str, against: str = "bf16") -> list[dict]:

@@ -313,3 +313,12 @@ def test_loss_curves_name_the_baseline_by_its_dtype():
         "fp32", "fp32-nudged", "tensorwise",
     ]  # fmt: skip
     assert e2e_report.curve_label(rows[0], "bf16", True) == "bf16 seed 3"
+
+
+def test_runs_against_the_nudged_baseline_are_labelled_as_its_row(tmp_path):
+    rows = run(tmp_path, "--configs", "bf16", "bf16-nudged", "tensorwise", "--steps", "2")
+    table = e2e_report.compare(rows, "fp32", against="bf16-nudged")
+    reference = next(entry for entry in table if entry["config"] == "fp32-nudged")
+    assert reference["val vs fp32-nudged %"] == 0
+    by_config = e2e_report.entries_by_config(rows, "fp32", against="bf16-nudged")
+    assert set(by_config) == {"fp32", "fp32-nudged", "tensorwise"}
