@@ -51,7 +51,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak, storage_bytes
+from benchmarks.memory_trace import (
+    BACKWARD_MARK,
+    GIB,
+    MIB,
+    cpu_step_memory,
+    print_peak,
+    storage_bytes,
+)
 from benchmarks.utils import markdown_table, print_environment, write_csv
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.models import ModelArgs, Transformer, TransformerBlock, use_float8_swiglu
@@ -64,8 +71,6 @@ except ImportError as error:
     torchao_float8 = None
     TORCHAO = f"not importable ({error})"
 
-GIB = 2**30
-MIB = 2**20
 CPU_SCALE = 8
 """On the CPU every size of each case (dims, tokens) is this many times smaller."""
 

@@ -38,7 +38,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
 from benchmarks.bench_memory import CPU_SCALE, llama_args
-from benchmarks.memory_trace import BACKWARD_MARK, cpu_step_memory, print_peak, storage_bytes
+from benchmarks.memory_trace import (
+    BACKWARD_MARK,
+    MIB,
+    cpu_step_memory,
+    print_peak,
+    storage_bytes,
+)
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.demo import lm_loss
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
@@ -173,7 +179,7 @@ def peak_part():
             f"\nPeak of a training step on the CPU (sizes / {scale}), against {next(iter(peaks))}:"
         )
         for name, peak in peaks.items():
-            print(f"- {name}: {peak / 2**20:.2f} MiB, {peak / first:.3f}x")
+            print(f"- {name}: {peak / MIB:.2f} MiB, {peak / first:.3f}x")
 
 
 def _compiled_blocks(base: nn.Module, name: str, device: torch.device) -> nn.Module:
@@ -211,9 +217,9 @@ def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
     tensors = [*model.parameters(), *model.buffers(), *state, tokens]
     before = storage_bytes(tensors)
     print(
-        f"##### peak {name} (CPU): {(before + memory.peak) / 2**20:.2f} MiB = {before / 2**20:.2f} "
-        f"MiB of parameters and AdamW state + {memory.peak / 2**20:.2f} MiB allocated in the "
-        f"step; forward left {memory.held / 2**20:.2f} MiB for backward"
+        f"##### peak {name} (CPU): {(before + memory.peak) / MIB:.2f} MiB = {before / MIB:.2f} "
+        f"MiB of parameters and AdamW state + {memory.peak / MIB:.2f} MiB allocated in the "
+        f"step; forward left {memory.held / MIB:.2f} MiB for backward"
     )
     return before + memory.peak
 

@@ -156,6 +156,25 @@ def load_runs(paths: list[str]) -> tuple[list[dict], str]:
     return rows, base_names.pop()
 
 
+def _figure():  # noqa: ANN202
+    """A new figure and its axes, drawn off screen (matplotlib is imported only to plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(7, 4))
+
+
+def _save(figure, path: str, caption: str) -> None:  # noqa: ANN001
+    """Write `figure` to `path`, with `caption` (GPU, torch, date, command) under the axes
+    and as the PNG's own text, readable without looking at the picture."""
+    if caption:
+        figure.text(0.01, 0.01, caption, fontsize=6, wrap=True)
+    figure.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
+    figure.savefig(path, dpi=150, metadata={"Description": caption} if caption else None)
+
+
 def curve_label(row: dict, base_name: str, several_seeds: bool) -> str:
     """A run's name in the loss-curve legend, the baseline named by its dtype."""
     label = base_label(row["config"], base_name)
@@ -168,12 +187,7 @@ def plot(
     """Loss curves of every run, from `main`'s rows or a --json file's "runs"; `caption`
     (the GPU, torch, date and command) under the axes; `base_name` names the baseline (the
     --dtype's: "bf16", "fp32")."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = _figure()
     several = len({r.get("seed", 0) for r in rows}) > 1
     for row in rows:
         losses = torch.tensor(row["losses"])
@@ -184,11 +198,7 @@ def plot(
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(f"train loss (mean of {smooth} steps)")
     axes.legend()
-    if caption:
-        figure.text(0.01, 0.01, caption, fontsize=6, wrap=True)
-    figure.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
-    # The caption also as the PNG's own text, readable without looking at the picture.
-    figure.savefig(path, dpi=150, metadata={"Description": caption} if caption else None)
+    _save(figure, path, caption)
 
 
 def plot_differences(
@@ -202,18 +212,13 @@ def plot_differences(
     """Each run's final validation loss against the first run of `against` (the baseline
     unless named) of its seed, one point per seed and config, with each config's mean and
     its standard error, beside the +-`goal` % band of the loss-parity goal."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ref = reference_label(base_name, against)
     by_config = {
         config: [entry[f"val vs {ref} %"] for entry in entries]
         for config, entries in entries_by_config(rows, base_name, against).items()
         if config != ref
     }
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = _figure()
     axes.axhspan(-goal, goal, color="0.9", label=f"within {goal}% of {ref}")
     axes.axhline(0, color="0.5", linewidth=0.8)
     for x, values in enumerate(by_config.values()):
@@ -226,10 +231,7 @@ def plot_differences(
     axes.set_xlim(-0.5, len(by_config) - 0.5)
     axes.set_ylabel(f"val loss vs {ref} of its seed, %")
     axes.legend(loc="upper right", fontsize=8)
-    if caption:
-        figure.text(0.01, 0.01, caption, fontsize=6, wrap=True)
-    figure.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
-    figure.savefig(path, dpi=150, metadata={"Description": caption} if caption else None)
+    _save(figure, path, caption)
 
 
 def caption_of(environment: dict[str, str]) -> str:
