@@ -225,10 +225,11 @@ for blockwise casts, DTensors aside): below 16 MiB of fp32 temporaries, whole.""
 
 def eager_rows_per_piece(rows: int, elements: int, device: torch.device) -> int:
     """How many of a tensor's `rows` (of `elements` in all, on `device`) the eager torch path
-    takes at a time: all where compiling or for a small tensor, else 1/EAGER_PIECES of them."""
+    takes at a time: all for a small tensor, else 1/EAGER_PIECES of them. Eager only: callers
+    take compiled tensors whole before asking, since under dynamic shapes these size tests
+    would install guards."""
     smallest = EAGER_PIECE_MIN_ELEMENTS_CUDA if device.type == "cuda" else EAGER_PIECE_MIN_ELEMENTS
-    # Compiling first: under dynamic shapes the size test would install a guard.
-    if torch.compiler.is_compiling() or elements < smallest:
+    if elements < smallest:
         return max(rows, 1)
     return max(-(-rows // EAGER_PIECES), 1)
 
@@ -246,8 +247,7 @@ def _saturated_cast(
     rows = hp.shape[0] if hp.dim() else 1
     # Compiled code (whose sizes may be symbolic: no size test, no guard) and DTensors whole.
     whole = torch.compiler.is_compiling() or is_traceable_wrapper_subclass(hp)
-    step = rows if whole else eager_rows_per_piece(rows, hp.numel(), hp.device)
-    if whole or step >= rows:
+    if whole or (step := eager_rows_per_piece(rows, hp.numel(), hp.device)) >= rows:
         data = _saturated_cast_whole(hp, scale, float8_dtype, nonfinite_to_nan)
     else:
         data = torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
