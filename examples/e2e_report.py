@@ -132,12 +132,13 @@ def print_summary(rows: list[dict], base_name: str, against: str = "bf16") -> No
 def load_runs(paths: list[str]) -> tuple[list[dict], str]:
     """The runs of several --json files in the order of their seeds, for one summary over all
     of them, and the name of their baseline."""
-    rows, source, base_names = [], {}, set()
+    rows, source, base_names, master = [], {}, set(), set()
     for path in paths:
         with open(path) as handle:
             record = json.load(handle)
         runs = record["runs"]
         base_names.add(BASE_NAMES[record["args"]["dtype"]])
+        master.add(bool(record["args"].get("master_weights")))
         for seed in dict.fromkeys(run["seed"] for run in runs):
             if seed in source:
                 raise SystemExit(
@@ -152,6 +153,9 @@ def load_runs(paths: list[str]) -> tuple[list[dict], str]:
     if len(base_names) > 1:
         raise SystemExit(f"the files train in different dtypes ({sorted(base_names)}): "
                          "summarize runs of one dtype at a time")  # fmt: skip
+    if len(master) > 1:
+        raise SystemExit("some files train with --master-weights (fp32 parameters) and some "
+                         "without: summarize the two kinds apart")  # fmt: skip
     rows.sort(key=lambda run: run["seed"])  # stable: each seed's runs keep their order
     return rows, base_names.pop()
 

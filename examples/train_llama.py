@@ -181,6 +181,25 @@ def prepare(model: Transformer, args: argparse.Namespace) -> Transformer:
     return model
 
 
+def parameter_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The parameters' (and so the optimizer state's) dtype: fp32 with --master-weights."""
+    return torch.float32 if args.master_weights else DTYPES[args.dtype]
+
+
+def mixed_precision(args: argparse.Namespace):  # noqa: ANN201
+    """The context of forward: with --master-weights, autocast to --dtype (the gemms, and
+    the float8 layers' inputs before their casts, in bf16; weights cast from fp32), else
+    nothing. Reusable: entered once per micro-batch and once to evaluate."""
+    if not args.master_weights:
+        return nullcontext()
+    return torch.autocast(torch.device(args.device).type, dtype=DTYPES[args.dtype])
+
+
+def evaluate_in(compute, model: nn.Module, val: list) -> float:  # noqa: ANN001
+    with compute:
+        return evaluate(model, val)
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up over --warmup-steps (default: 5% of the steps), then cosine decay to
     10%."""
@@ -196,8 +215,9 @@ def train(
 ) -> dict:
     """One run of `name` from `initial`'s weights, on the batches that `seed` draws."""
     device = torch.device(args.device)
-    model = copy.deepcopy(initial).to(device=device, dtype=DTYPES[args.dtype])
+    model = copy.deepcopy(initial).to(device=device, dtype=parameter_dtype(args))
     model = prepare(convert(model, name), args)
+    compute = mixed_precision(args)
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=args.lr,
@@ -220,7 +240,8 @@ def train(
         with once:
             for _ in range(args.grad_accum):
                 inputs, targets = (t.to(device, non_blocking=True) for t in next(stream))
-                loss = lm_loss(model, inputs, targets) / args.grad_accum
+                with compute:
+                    loss = lm_loss(model, inputs, targets) / args.grad_accum
                 loss.backward()
                 total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -239,7 +260,7 @@ def train(
         "seed": seed,
         "losses": losses,
         "final_train_loss": sum(losses[-FINAL_STEPS:]) / len(losses[-FINAL_STEPS:]),
-        "val_loss": evaluate(model, data["val"]),
+        "val_loss": evaluate_in(compute, model, data["val"]),
         "step_ms": 1e3 * step_s,
         "tokens_per_s": tokens / step_s,
         "peak_memory_gib": peak,
@@ -258,6 +279,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--warmup-steps", type=int, help="steps of linear learning-rate warm-up (default: 5%% "
         "of --steps); the preset's model spikes early with 15 of 300")  # fmt: skip
     add("--dtype", choices=sorted(DTYPES))
+    add("--master-weights", action="store_true", help="fp32 parameters and optimizer state, "
+        "forward under torch.autocast to --dtype (mixed precision, as FSDP2's "
+        "MixedPrecisionPolicy trains): the optimizer's updates are not rounded to bf16. For "
+        "loss comparisons; tokens/s and memory are pure bf16's without it")  # fmt: skip
     add("--corpus", choices=CORPORA, help="the text (fp8train.data): docs, or stdlib "
         "(docs + the standard library's sources, for models that memorize docs)")  # fmt: skip
     add("--configs", nargs="+", choices=CONFIGS, help="runs, in this order (bf16 first if "
@@ -296,6 +321,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(
             f"--warmup-steps {args.warmup_steps}: give 1 to --steps ({args.steps}), or leave it "
             "out for 5% of the steps"
+        )
+    if args.master_weights and DTYPES[args.dtype] == torch.float32:
+        raise SystemExit(
+            "--master-weights keeps fp32 parameters under a lower-precision forward, and "
+            "--dtype float32 has fp32 parameters already: give --dtype bfloat16, or leave "
+            "--master-weights out"
         )
     missing = [c for c in args.configs if c.startswith("torchao-") and torchao_float8 is None]
     if missing:
@@ -358,11 +389,15 @@ def write_json(args: argparse.Namespace, run_environment: dict, rows: list[dict]
 def main(args: argparse.Namespace) -> list[dict]:
     args = resolve(args)
     device = torch.device(args.device)
+    parameters = (
+        f"fp32 parameters, {args.dtype} autocast" if args.master_weights
+        else f"{args.dtype} parameters"
+    )  # fmt: skip
     print(
         f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} | "
         f"torch {torch.__version__} | model: {args.n_layers} layers, dim {args.dim}, "
         f"{args.n_heads} heads, FFN {args.ffn_dim}, seq {args.seq_len}, batch {args.batch_size}"
-        f" x {args.grad_accum} micro-batches, {args.steps} steps, {args.dtype} parameters, "
+        f" x {args.grad_accum} micro-batches, {args.steps} steps, {parameters}, "
         f"compile={args.compile}, ac={args.ac}"
     )
     train_tokens, val_tokens = train_val_split(load_text_tokens(args.corpus))

@@ -85,14 +85,15 @@ def test_the_gpu_preset_trains_on_the_larger_corpus_and_says_how_much_of_it(tmp_
     assert "corpus stdlib: " in out and "(0.00 passes over them)" in out
 
 
-def _run_record(path, dtype: str, runs: list[tuple[str, int, float]]) -> str:  # noqa: ANN001
-    """A --json file holding runs of (config, seed, val loss)."""
+def _run_record(path, dtype: str, runs: list[tuple[str, int, float]], **args) -> str:  # noqa: ANN001, ANN003
+    """A --json file holding runs of (config, seed, val loss), with `args` among its args."""
     rows = [
         {"config": config, "seed": seed, "losses": [2.0], "final_train_loss": 2.0,
          "val_loss": val, "step_ms": 10.0, "tokens_per_s": 100.0, "peak_memory_gib": None}
         for config, seed, val in runs
     ]  # fmt: skip
-    path.write_text(json.dumps({"args": {"dtype": dtype}, "environment": {}, "runs": rows}))
+    record = {"args": {"dtype": dtype, **args}, "environment": {}, "runs": rows}
+    path.write_text(json.dumps(record))
     return str(path)
 
 
@@ -322,3 +323,38 @@ def test_runs_against_the_nudged_baseline_are_labelled_as_its_row(tmp_path):
     assert reference["val vs fp32-nudged %"] == 0
     by_config = e2e_report.entries_by_config(rows, "fp32", against="bf16-nudged")
     assert set(by_config) == {"fp32", "fp32-nudged", "tensorwise"}
+
+
+def test_master_weights_keep_fp32_parameters_under_bf16_autocast(tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def evaluate(model, batches):  # noqa: ANN001, ANN202
+        seen.append(({p.dtype for p in model.parameters()}, torch.is_autocast_enabled("cpu"),
+                     torch.get_autocast_dtype("cpu")))  # fmt: skip
+        return 1.0
+
+    monkeypatch.setattr(train_llama, "evaluate", evaluate)
+    rows = run(tmp_path, "--dtype", "bfloat16", "--master-weights", "--configs", "bf16",
+               "tensorwise", "--steps", "3")  # fmt: skip
+    # fp32 parameters (so fp32 optimizer state and updates), forward in bf16 by autocast.
+    assert seen == [({torch.float32}, True, torch.bfloat16)] * 2
+    assert not torch.is_autocast_enabled("cpu")
+    assert rows[1]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.02)
+    assert "fp32 parameters, bfloat16 autocast" in capsys.readouterr().out
+    monkeypatch.undo()
+    plain = run(tmp_path, "--dtype", "bfloat16", "--configs", "bf16", "--steps", "3")
+    # The same first step (bf16 compute from the same weights); the later steps differ, as
+    # bf16 parameters round the optimizer's updates.
+    assert plain[0]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=1e-2)
+    assert plain[0]["losses"][1:] != rows[0]["losses"][1:]
+
+
+def test_master_weights_are_refused_for_fp32_and_not_mixed_in_a_summary(tmp_path):
+    with pytest.raises(SystemExit, match="--dtype float32 has fp32 parameters already"):
+        run(tmp_path, "--dtype", "float32", "--master-weights", "--steps", "1")
+    plain = _run_record(tmp_path / "a.json", "bfloat16", [("bf16", 0, 2.0)])
+    master = _run_record(tmp_path / "b.json", "bfloat16", [("bf16", 1, 2.0)],
+                         master_weights=True)  # fmt: skip
+    with pytest.raises(SystemExit, match="summarize the two kinds apart"):
+        e2e_report.load_runs([plain, master])
+    assert len(e2e_report.load_runs([master])[0]) == 1
