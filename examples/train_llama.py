@@ -195,11 +195,6 @@ def mixed_precision(args: argparse.Namespace):  # noqa: ANN201
     return torch.autocast(torch.device(args.device).type, dtype=DTYPES[args.dtype])
 
 
-def evaluate_in(compute, model: nn.Module, val: list) -> float:  # noqa: ANN001
-    with compute:
-        return evaluate(model, val)
-
-
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up over --warmup-steps (default: 5% of the steps), then cosine decay to
     10%."""
@@ -254,13 +249,15 @@ def train(
     timed = times[WARMUP_STEPS:] or times
     step_s = sum(timed) / len(timed)
     tokens = args.batch_size * args.seq_len * args.grad_accum
+    with compute:
+        val_loss = evaluate(model, data["val"])
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     result = {
         "config": name,
         "seed": seed,
         "losses": losses,
         "final_train_loss": sum(losses[-FINAL_STEPS:]) / len(losses[-FINAL_STEPS:]),
-        "val_loss": evaluate_in(compute, model, data["val"]),
+        "val_loss": val_loss,
         "step_ms": 1e3 * step_s,
         "tokens_per_s": tokens / step_s,
         "peak_memory_gib": peak,
