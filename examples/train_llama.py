@@ -249,9 +249,9 @@ def train(
     timed = times[WARMUP_STEPS:] or times
     step_s = sum(timed) / len(timed)
     tokens = args.batch_size * args.seq_len * args.grad_accum
-    with compute:
-        val_loss = evaluate(model, data["val"])
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    with compute:  # after reading the peak, which is training's
+        val_loss = evaluate(model, data["val"])
     result = {
         "config": name,
         "seed": seed,
