@@ -234,7 +234,8 @@ def plot_differences(
     axes.set_xticks(range(len(by_config)), ticks)
     axes.set_xlim(-0.5, len(by_config) - 0.5)
     axes.set_ylabel(f"val loss vs {ref} of its seed, %")
-    axes.legend(loc="upper right", fontsize=8)
+    # Above the axes: inside them it can hide a point.
+    axes.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
     _save(figure, path, caption)
 
 
