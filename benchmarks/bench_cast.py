@@ -13,6 +13,9 @@ Rows:
 - copy: `dst.copy_(hp)`, 4 bytes an element, the ceiling every other row is a share of;
 - eager kernels: what eager Float8Linear runs (the amax kernel, then one cast kernel writing
   both layouts); `amax kernel` and `cast kernel` time the two apart;
+- partial maxima: what the compiled cast-kernel casts run, outside torch.compile (the amax
+  kernel that writes one maximum per program, then the cast kernel that reduces them);
+  `amax partials kernel` times the first alone;
 - compiled inductor: `torch.compile` of the torch path (what compiled layers run by default);
   `amax per row first`: the same with the amax reduced per row, then over the rows;
 - compiled cast-kernels: `torch.compile` with the casts as fp8train's triton ops
@@ -32,7 +35,7 @@ from benchmarks.bench_linear import LLAMA_70B_SHAPES
 from benchmarks.utils import markdown_table, median_time_s, print_environment, write_csv
 from fp8train.cast import _column_major, _saturated_cast, cast_layouts
 from fp8train.config import E4M3, ScalingGranularity
-from fp8train.kernels import amax_2d, cast_2d
+from fp8train.kernels import amax_2d, amax_partials_2d, cast_2d
 from fp8train.scaling import amax, amax_to_scale
 
 TENSORWISE = ScalingGranularity.TENSORWISE
@@ -149,6 +152,15 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
     run = cast_only()
     row("cast kernel, both layouts", run, 4, check("cast", run(), want_scale, want),
         ("cast", cast_kernel.TILE))  # fmt: skip
+
+    def partials() -> tuple:
+        found = amax_partials_2d(hp)
+        return cast_2d(hp, found, E4M3, column_major=True, scale_from_amax=True)
+
+    ok = check("partials", partials(), want_scale, want)
+    row("partial maxima, both layouts", partials, 6, ok)
+    row("amax partials kernel", lambda: amax_partials_2d(hp), 2,
+        torch.equal(amax_partials_2d(hp).max(), hp_amax))  # fmt: skip
     for kernels in (False, True):
         run = compiled_cast(kernels)
         out = run(hp)

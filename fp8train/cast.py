@@ -21,7 +21,7 @@ from fp8train.config import (
     ScalingGranularity,
     ScalingType,
 )
-from fp8train.kernels import HAS_TRITON, amax_2d, cast_2d
+from fp8train.kernels import HAS_TRITON, amax_2d, amax_partials_2d, cast_2d
 from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
 
@@ -193,8 +193,9 @@ def _cast_ops(
     scale: torch.Tensor | None,
     record_amax: torch.Tensor | None,
 ) -> list[Float8Tensor]:
-    """A tensorwise cast as triton ops, for torch.compile: one for the amax and one for the
-    cast writing every layout in `layouts`; inductor launches their kernels itself."""
+    """A tensorwise cast as triton ops, for torch.compile: one for the amax (partial maxima
+    on CUDA) and one for the cast writing every layout in `layouts` (which reduces them);
+    inductor launches their kernels itself."""
     row, col = False in layouts, True in layouts
     ops = torch.ops.fp8train
     if scale is None:
@@ -357,11 +358,12 @@ def _saturated_cast_op(
 
 @_triton_op("fp8train::amax", mutates_args=())
 def _amax_op(hp: torch.Tensor) -> torch.Tensor:
-    """max |hp| as a 0-d fp32 tensor: the one-launch Triton kernel on CUDA (2-D), else the
-    torch path."""
+    """max |hp| as a 1-D fp32 tensor whose maximum is the amax: on CUDA (2-D) the partial
+    maxima of the Triton kernel's programs (one launch, no buffer to zero), else the torch
+    path's amax as one element. cast_from_amax takes either."""
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
-        return amax_2d(hp, traced=True)
-    return amax(hp, ScalingGranularity.TENSORWISE, None)
+        return amax_partials_2d(hp, traced=True)
+    return amax(hp, ScalingGranularity.TENSORWISE, None).reshape(1)
 
 
 @_triton_op("fp8train::cast_from_amax", mutates_args=())
@@ -373,16 +375,16 @@ def _cast_from_amax_op(
     row_major: bool,
     column_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A dynamic tensorwise cast from the amax of hp: (scale, row-major, column-major), a
-    layout empty unless asked for. On CUDA the scale is computed inside the cast kernel, bit
-    for bit as amax_to_scale computes it."""
+    """A dynamic tensorwise cast from the amax of hp (0-d, or 1-D partial maxima as the amax
+    op gives them): (scale, row-major, column-major), a layout empty unless asked for. On CUDA
+    the scale is computed inside the cast kernel, bit for bit as amax_to_scale computes it."""
     if hp.is_cuda and hp.dim() == 2 and HAS_TRITON:
         scale, row, col = cast_2d(
             hp, hp_amax, float8_dtype, row_major=row_major, column_major=column_major,
             scale_from_amax=True, round_to_power_of_2=round_to_power_of_2, traced=True,
         )  # fmt: skip
         return scale, _or_absent(row, hp, float8_dtype), _or_absent(col, hp, float8_dtype)
-    scale = amax_to_scale(hp_amax, float8_dtype, round_to_power_of_2=round_to_power_of_2)
+    scale = amax_to_scale(hp_amax.max(), float8_dtype, round_to_power_of_2=round_to_power_of_2)
     data = _saturated_cast(hp, scale, float8_dtype)
     return (scale, *_layouts_of(data, row_major, column_major))
 

@@ -15,7 +15,7 @@ import fp8train.cast
 from fp8train import Float8Linear, Float8LinearConfig
 from fp8train.cast import _saturated_cast
 from fp8train.config import ScalingGranularity
-from fp8train.kernels import HAS_TRITON, amax_2d, cast_2d, quantize_2d
+from fp8train.kernels import HAS_TRITON, amax_2d, amax_partials_2d, cast_2d, quantize_2d
 from fp8train.scaling import amax, amax_to_scale
 from tests.conftest import FLOAT8_GPU_REASON
 
@@ -220,6 +220,67 @@ def test_amax_kernel_matches_the_torch_amax_bit_for_bit(shape, hp_dtype):
     if hp.numel() > 1:
         flat = hp.flatten()[1:].view(1, -1)
         assert torch.equal(amax_2d(flat), _tensorwise_amax(flat))
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("shape", [*SHAPES, (0, 8), (64 * 1024, 16)], ids=str)
+@pytest.mark.parametrize("hp_dtype", HP, ids=str)
+def test_amax_partials_kernel_reduces_to_the_torch_amax(shape, hp_dtype):
+    """The compiled casts' amax: one slot per program, whose maximum is the amax bit for bit
+    (0 for an empty tensor); a fresh, uninitialized buffer every call."""
+    hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
+    expected = _tensorwise_amax(hp) if hp.numel() else torch.zeros((), device="cuda")
+    for view in (hp, hp.t()):
+        partials = amax_partials_2d(view)
+        assert partials.dim() == 1 and partials.dtype == torch.float32
+        assert torch.equal(partials.max(), expected)
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_amax_partials_kernel_gives_inf_for_non_finite_input(bad):
+    hp = torch.randn(257, 129, device="cuda")
+    hp[200, 100] = bad
+    assert amax_partials_2d(hp).max().item() == float("inf")
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("float8_dtype", FLOAT8, ids=str)
+@pytest.mark.parametrize("hp_dtype", HP, ids=str)
+@pytest.mark.parametrize("pow2", [False, True], ids=["", "pow2"])
+def test_cast_kernel_reduces_partial_maxima_bit_for_bit(shape, float8_dtype, hp_dtype, pow2):
+    """A dynamic cast from the partial maxima (two launches, as compiled casts run) gives the
+    scale, its inverse and the bytes of a cast from the 0-d amax."""
+    hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
+    hp_amax = _tensorwise_amax(hp)
+    inverse = torch.empty((), device="cuda")
+    scale, row, col = cast_2d(
+        hp, amax_partials_2d(hp), float8_dtype, row_major=True, column_major=True,
+        scale_from_amax=True, round_to_power_of_2=pow2, inverse_out=inverse,
+    )  # fmt: skip
+    expected_scale = amax_to_scale(hp_amax, float8_dtype, round_to_power_of_2=pow2)
+    assert torch.equal(scale.view(torch.int32), expected_scale.view(torch.int32))
+    assert torch.equal(inverse, expected_scale.reciprocal())
+    reference = _bytes(_saturated_cast(hp, expected_scale, float8_dtype))
+    assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amax_op_passes_opcheck_and_feeds_cast_from_amax(device):
+    """fp8train::amax gives a 1-D tensor whose maximum is the amax (the kernel's partial
+    maxima on CUDA, the amax itself elsewhere), which cast_from_amax takes as it is."""
+    hp = torch.randn(33, 65, device=device) * 3
+    torch.library.opcheck(torch.ops.fp8train.amax.default, (hp,))
+    partials = torch.ops.fp8train.amax(hp)
+    assert partials.dim() == 1 and torch.equal(partials.max(), _tensorwise_amax(hp))
+    args = (hp, partials, E4M3, False, True, True)
+    torch.library.opcheck(torch.ops.fp8train.cast_from_amax.default, args)
+    scale, row, col = torch.ops.fp8train.cast_from_amax(*args)
+    expected_scale = amax_to_scale(_tensorwise_amax(hp), E4M3)
+    assert torch.equal(scale, expected_scale)
+    reference = _bytes(_saturated_cast(hp, expected_scale, E4M3))
+    assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference)
 
 
 @needs_triton_gpu

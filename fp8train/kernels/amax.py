@@ -12,6 +12,12 @@ nothing initialized.
 Values: the amax in fp32, as vector_norm gives it, except that a NaN anywhere gives inf (an
 atomic max cannot carry NaN). A cast scale from either is NaN: amax_to_scale turns every
 non-finite amax into a NaN scale.
+
+Under torch.compile that state cannot persist between calls (a traced op owns only what it
+allocates), and zeroing fresh state costs a launch per tensor. There `amax_partials_2d` runs
+instead: each program writes the maximum of its own tiles to one slot of an uninitialized
+buffer, one slot per program, and the cast kernel that consumes the buffer reduces the slots
+itself (fp8train.kernels.cast). A dynamic cast is then two launches and nothing to zero.
 """
 
 from __future__ import annotations
@@ -64,6 +70,35 @@ if HAS_TRITON:
             tl.store(out_ptr, tl.atomic_xchg(running_ptr, 0.0))
             tl.atomic_xchg(count_ptr, 0)
 
+    @triton.jit
+    def _amax_partials_kernel(
+        hp_ptr,
+        partials_ptr,
+        M,
+        N,
+        stride_hm,
+        stride_hn,
+        tiles_n,
+        tiles,
+        programs,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # `programs` is the grid's size, passed rather than read with tl.num_programs, which
+        # Triton's interpreter cannot use as a loop step.
+        pid = tl.program_id(0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for tile in range(pid, tiles, programs):
+            tile_m = tile // tiles_n
+            rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+            cols = (tile - tile_m * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            mask = (rows < M) & (cols < N)
+            offsets = rows.to(tl.int64) * stride_hm + cols.to(tl.int64) * stride_hn
+            magnitude = tl.abs(tl.load(hp_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
+            acc = tl.maximum(acc, tl.where(magnitude == magnitude, magnitude, float("inf")))
+        # A program with no tile (more programs than tiles) writes 0, which no maximum misses.
+        tl.store(partials_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
 
 TILE = (64, 128, 4, 8)
 """(BLOCK_M, BLOCK_N, programs per multiprocessor, num_warps) of the amax kernel.
@@ -94,31 +129,55 @@ def amax_2d(
     hp: torch.Tensor,
     out: torch.Tensor | None = None,
     *,
-    traced: bool = False,
     tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """max |hp| in fp32 (0-d) for a 2-D CUDA tensor, written into `out` (0-d fp32) if given.
-    `traced`: the body of a triton op that torch.compile traces; the running maximum and the
-    counter are fresh zeros, no state kept between calls. `tile`: instead of TILE."""
+    `tile`: instead of TILE."""
     m, n = hp.shape
     if out is None:
         out = torch.empty((), dtype=torch.float32, device=hp.device)
     if hp.numel() == 0:
         return out.zero_()
-    device = hp.device.index if traced else torch.cuda.current_device()
+    device = torch.cuda.current_device()
     block_m, block_n, programs_per_sm, num_warps = tile or TILE
     tiles_n = cdiv(n, block_n)
     tiles = cdiv(m, block_m) * tiles_n
-    if traced:
-        # Fresh zeros, each its own tensor: functionalization copies a kernel's mutated
-        # arguments one by one, so one tensor passed as two of them could come back as two.
-        running = torch.zeros((), dtype=torch.float32, device=hp.device)
-        count = torch.zeros((), dtype=torch.int32, device=hp.device)
-    else:
-        running, count = _state(device)
-    (traced_launch if traced else launch)(
+    running, count = _state(device)
+    launch(
         _amax_kernel, (min(tiles, programs_per_sm * _multiprocessors(device)),),
         hp, out, running, count, m, n, hp.stride(0), hp.stride(1), tiles_n, tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
     return out
+
+
+def partials_count(device: torch.device, tile: tuple[int, int, int, int] | None = None) -> int:
+    """The length of amax_partials_2d's output on `device`: one slot per program, a fixed
+    number per device (whatever the tensor's shape, so that no compiled graph guards on it)."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return (tile or TILE)[2] * _multiprocessors(index)
+
+
+def amax_partials_2d(
+    hp: torch.Tensor,
+    *,
+    traced: bool = False,
+    tile: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Partial maxima of |hp| for a 2-D CUDA tensor, in fp32: a 1-D tensor (partials_count
+    long) whose maximum is amax_2d(hp), with a NaN anywhere giving inf as there; slots of
+    programs that had no tile hold 0. One launch, nothing zeroed: what the cast kernel's
+    `scale_from_amax` reduces itself. `traced`: the body of a triton op that torch.compile
+    traces. `tile`: instead of TILE."""
+    m, n = hp.shape
+    programs = partials_count(hp.device, tile)
+    partials = torch.empty(programs, dtype=torch.float32, device=hp.device)
+    block_m, block_n, _, num_warps = tile or TILE
+    tiles_n = cdiv(n, block_n)
+    tiles = cdiv(m, block_m) * tiles_n
+    (traced_launch if traced else launch)(
+        _amax_partials_kernel, (programs,),
+        hp, partials, m, n, hp.stride(0), hp.stride(1), tiles_n, tiles, programs,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return partials

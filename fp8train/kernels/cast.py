@@ -11,7 +11,9 @@ or both from the one read.
 Two more things happen in the same pass where asked:
 - the scale itself, from a tensorwise amax (`scale_from_amax`): the arithmetic of
   `fp8train.scaling.amax_to_scale`, op for op, so the scale is the torch path's to the bit; it
-  saves the half-dozen tiny kernels of that function in eager mode;
+  saves the half-dozen tiny kernels of that function in eager mode. The amax may also come as
+  the partial maxima of `amax_partials_2d` (a 1-D buffer), which every program reduces
+  itself: a few hundred fp32 values, read from cache;
 - the amax of hp, folded into an fp32 buffer with an atomic max (`record_amax`): delayed
   scaling's amax for the next step, at no extra read.
 
@@ -43,6 +45,7 @@ if HAS_TRITON:
         stride_hn,
         stride_sm,
         stride_sn,
+        amax_count,
         FP8_MAX: tl.constexpr,
         EPS: tl.constexpr,
         SCALE_FROM_AMAX: tl.constexpr,
@@ -51,6 +54,7 @@ if HAS_TRITON:
         WRITE_ROW: tl.constexpr,
         WRITE_COL: tl.constexpr,
         RECORD_AMAX: tl.constexpr,
+        AMAX_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -65,7 +69,12 @@ if HAS_TRITON:
         rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
         hp = tl.load(hp_ptr + rows64 * stride_hm + cols64 * stride_hn, mask=mask).to(tl.float32)
         if SCALE_FROM_AMAX:
-            amax = tl.load(scale_ptr)
+            if AMAX_BLOCK > 1:  # partial maxima, amax_count of them
+                slots = tl.arange(0, AMAX_BLOCK)
+                partials = tl.load(scale_ptr + slots, mask=slots < amax_count, other=0.0)
+                amax = tl.max(partials, axis=0)
+            else:
+                amax = tl.load(scale_ptr)
             # amax_to_scale: fp8_max / amax.clamp(min=EPS), which torch computes as
             # reciprocal (IEEE division) times fp8_max.
             scale = tl.math.div_rn(1.0, tl.maximum(amax, eps)) * fp8_max
@@ -129,8 +138,9 @@ def cast_2d(
     """The float8 bytes of `saturate(hp * scale)` for a 2-D CUDA tensor `hp`, in the layouts
     asked for: (scale, row-major data or None, column-major data or None).
 
-    `scale_from_amax`: `scale` is a 0-d amax and the scale is computed from it (returned, in
-    `scale_out` if given); otherwise the given scale is returned. `record_amax`: a 0-d fp32
+    `scale_from_amax`: `scale` is a 0-d amax, or a 1-D tensor of partial maxima
+    (amax_partials_2d), and the scale is computed from it (returned, in `scale_out` if given);
+    otherwise the given scale is returned. `record_amax`: a 0-d fp32
     buffer that is raised to max |hp| in place. `inverse_out`: a 0-d fp32 tensor that receives
     1 / scale (the gemm's fp8 -> hp scale, as `reciprocal` computes it) for a tensorwise cast.
     `traced`: the body of a triton op that torch.compile traces (launched through wrap_triton).
@@ -162,11 +172,14 @@ def cast_2d(
     if hp.numel() == 0:
         if scale_from_amax:
             pow2 = round_to_power_of_2
-            scale_out.copy_(amax_to_scale(scale, float8_dtype, round_to_power_of_2=pow2))
+            scale_out.copy_(amax_to_scale(scale.max(), float8_dtype, round_to_power_of_2=pow2))
         if inverse_out is not None:
             inverse_out.copy_((scale_out if scale_from_amax else scale).reciprocal())
         return (scale_out if scale_from_amax else scale), row, col
     scale_strides = (0, 0) if scale_from_amax else scale.expand(m, n).stride()
+    # Partial maxima: the kernel loads a power-of-2 block of them, the rest masked.
+    amax_count = scale.numel() if scale_from_amax and scale.dim() == 1 else 1
+    amax_block = 1 << (amax_count - 1).bit_length()
     any_out = row if row is not None else col
     block_m, block_n, num_warps = tile or TILE
     (traced_launch if traced else launch)(
@@ -178,7 +191,7 @@ def cast_2d(
         scale if scale_out is None else scale_out,
         scale if inverse_out is None else inverse_out,
         scale if record_amax is None else record_amax,
-        m, n, hp.stride(0), hp.stride(1), scale_strides[0], scale_strides[1],
+        m, n, hp.stride(0), hp.stride(1), scale_strides[0], scale_strides[1], amax_count,
         FP8_MAX=torch.finfo(float8_dtype).max,
         EPS=EPS,
         SCALE_FROM_AMAX=scale_from_amax,
@@ -187,6 +200,7 @@ def cast_2d(
         WRITE_ROW=row is not None,
         WRITE_COL=col is not None,
         RECORD_AMAX=record_amax is not None,
+        AMAX_BLOCK=amax_block,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
