@@ -282,3 +282,22 @@ def test_profile_steps_peak_compares_the_configs_on_the_cpu(capsys, monkeypatch)
     assert "##### peak tensorwise (CPU)" in out and "forward left" in out
     assert "Peak of a training step on the CPU (sizes / 8), against bf16:" in out
     assert "- bf16: " in out and "1.000x" in out
+
+
+def test_offline_kernel_check_without_triton_says_what_to_install(monkeypatch):
+    """Where Triton is missing (the CPU wheels of torch), the offline kernel check stops with
+    the install command instead of an ImportError from deep inside."""
+    import builtins
+
+    from benchmarks.check_kernels_offline import main
+
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    with pytest.raises(SystemExit, match="pip install triton"):
+        main()
