@@ -82,7 +82,7 @@ def compiled_for_sm90() -> None:
             hp_ptr="*bf16", out_ptr=fp32, running_ptr=fp32, count_ptr="*i32", **amax_grid,
         ), tile, 8),
         "amax partials": (amax_module._amax_partials_kernel, dict(
-            hp_ptr="*bf16", partials_ptr=fp32, **amax_grid, programs=i32,
+            hp_ptr="*bf16", partials_ptr=fp32, **amax_grid,
         ), tile, 8),
     }  # fmt: skip
     for amax_block in (1, 1024):

@@ -39,6 +39,23 @@ from fp8train.kernels.launch import (
 if HAS_TRITON:
 
     @triton.jit
+    def _max_of_tiles(
+        hp_ptr, M, N, stride_hm, stride_hn, tiles_n, tiles, pid, programs,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """max |hp| over the tiles pid, pid + programs, ... (0 if none), NaN counted as inf."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for tile in range(pid, tiles, programs):
+            tile_m = tile // tiles_n
+            rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+            cols = (tile - tile_m * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            mask = (rows < M) & (cols < N)
+            offsets = rows.to(tl.int64) * stride_hm + cols.to(tl.int64) * stride_hn
+            magnitude = tl.abs(tl.load(hp_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
+            acc = tl.maximum(acc, tl.where(magnitude == magnitude, magnitude, float("inf")))
+        return tl.max(tl.max(acc, axis=1), axis=0)
+
+    @triton.jit
     def _amax_kernel(
         hp_ptr,
         out_ptr,
@@ -54,17 +71,11 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
     ):
         pid, programs = tl.program_id(0), tl.num_programs(0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for tile in range(pid, tiles, programs):
-            tile_m = tile // tiles_n
-            rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-            cols = (tile - tile_m * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            mask = (rows < M) & (cols < N)
-            offsets = rows.to(tl.int64) * stride_hm + cols.to(tl.int64) * stride_hn
-            magnitude = tl.abs(tl.load(hp_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
-            acc = tl.maximum(acc, tl.where(magnitude == magnitude, magnitude, float("inf")))
+        tiles_max = _max_of_tiles(
+            hp_ptr, M, N, stride_hm, stride_hn, tiles_n, tiles, pid, programs, BLOCK_M, BLOCK_N
+        )
         # Non-negative floats order as their bit patterns do, which the atomic max relies on.
-        tl.atomic_max(running_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+        tl.atomic_max(running_ptr, tiles_max)
         # acq_rel: the last program's increment sees every earlier program's atomic max.
         if tl.atomic_add(count_ptr, 1) == programs - 1:
             tl.store(out_ptr, tl.atomic_xchg(running_ptr, 0.0))
@@ -80,24 +91,17 @@ if HAS_TRITON:
         stride_hn,
         tiles_n,
         tiles,
-        programs,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        # `programs` is the grid's size, passed rather than read with tl.num_programs, which
-        # Triton's interpreter cannot use as a loop step.
-        pid = tl.program_id(0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for tile in range(pid, tiles, programs):
-            tile_m = tile // tiles_n
-            rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-            cols = (tile - tile_m * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            mask = (rows < M) & (cols < N)
-            offsets = rows.to(tl.int64) * stride_hm + cols.to(tl.int64) * stride_hn
-            magnitude = tl.abs(tl.load(hp_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
-            acc = tl.maximum(acc, tl.where(magnitude == magnitude, magnitude, float("inf")))
+        pid, programs = tl.program_id(0), tl.num_programs(0)
         # A program with no tile (more programs than tiles) writes 0, which no maximum misses.
-        tl.store(partials_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
+        tl.store(
+            partials_ptr + pid,
+            _max_of_tiles(
+                hp_ptr, M, N, stride_hm, stride_hn, tiles_n, tiles, pid, programs, BLOCK_M, BLOCK_N
+            ),
+        )
 
 
 TILE = (64, 128, 4, 8)
@@ -177,7 +181,7 @@ def amax_partials_2d(
     tiles = cdiv(m, block_m) * tiles_n
     (traced_launch if traced else launch)(
         _amax_partials_kernel, (programs,),
-        hp, partials, m, n, hp.stride(0), hp.stride(1), tiles_n, tiles, programs,
+        hp, partials, m, n, hp.stride(0), hp.stride(1), tiles_n, tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
     return partials
