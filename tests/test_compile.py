@@ -8,6 +8,7 @@ partitioner that aot_eager and inductor use) or inductor itself produced.
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.utils import run_and_get_code
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -256,6 +258,24 @@ def test_compiled_cast_kernels_trace_the_casts_as_fp8train_kernels():
     assert not any("triton_kernel_wrapper" in t for t in targets)
     assert "aten.linalg_vector_norm.default" in targets
     assert "aten.clamp.default" in targets
+
+
+@pytest.mark.skipif(
+    FLOAT8_GPU_REASON is not None or not HAS_TRITON, reason=str(FLOAT8_GPU_REASON or "Triton")
+)
+def test_compiled_cast_kernels_launch_nothing_but_their_kernels():
+    """The code inductor generates for a compiled layer with compiled_cast_kernels: per cast
+    the amax kernel and the cast kernel, and no fill of a 0-d scale buffer (a 0-d
+    torch.empty costs a kernel under inductor, fp8train.kernels.empty_scalar)."""
+    layer = Float8Linear(K, N, config=Float8LinearConfig(compiled_cast_kernels=True)).cuda()
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer.to(torch.bfloat16), fullgraph=True)
+    _, codes = run_and_get_code(lambda: compiled(x).sum().backward())
+    code = "\n".join(codes)
+    assert "_amax_partials_kernel" in code
+    assert "_cast_kernel" in code
+    assert not re.search(r"triton_\w*_fused_\w*empty", code)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,16 +6,25 @@ opcheck.
 """
 
 import copy
+import re
 
 import pytest
 import torch
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 import fp8train.cast
 from fp8train import Float8Linear, Float8LinearConfig
 from fp8train.cast import _saturated_cast
 from fp8train.config import ScalingGranularity
-from fp8train.kernels import HAS_TRITON, amax_2d, amax_partials_2d, cast_2d, quantize_2d
+from fp8train.kernels import (
+    HAS_TRITON,
+    amax_2d,
+    amax_partials_2d,
+    cast_2d,
+    empty_scalar,
+    quantize_2d,
+)
 from fp8train.scaling import amax, amax_to_scale
 from tests.conftest import FLOAT8_GPU_REASON
 
@@ -397,3 +406,21 @@ def test_eager_layer_with_the_kernels_matches_the_torch_path(hp_dtype, policy, m
     names = ("output", "grad_input", "grad_weight")
     for name, a, b in zip(names, with_kernels, torch_path, strict=True):
         assert torch.equal(a, b), name
+
+
+def test_empty_scalar_is_a_0d_fp32_tensor_that_compiles_to_no_kernel():
+    """Inductor allocates empty_scalar without a kernel, where a 0-d torch.empty becomes a
+    kernel that fills it (fused here with the multiply beside it)."""
+    scalar = empty_scalar(torch.device("cpu"))
+    assert (scalar.shape, scalar.dtype) == ((), torch.float32)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return empty_scalar(x.device), x * 2
+
+    torch._dynamo.reset()
+    (scalar, doubled), codes = run_and_get_code(torch.compile(f, fullgraph=True), torch.ones(8))
+    assert scalar.shape == ()
+    assert torch.equal(doubled, torch.full((8,), 2.0))
+    kernels = re.findall(r"\b(cpp_fused\w*|triton_\w+_fused\w*)", "\n".join(codes))
+    assert kernels, "no generated kernel found: the check below would pass vacuously"
+    assert not [name for name in kernels if "empty" in name]

@@ -7,6 +7,14 @@ with the neighbouring ops, unless Float8LinearConfig.compiled_cast_kernels asks 
 """
 
 from fp8train.kernels.amax import amax_2d, amax_partials_2d
-from fp8train.kernels.cast import HAS_TRITON, cast_2d, empty_2d, quantize_2d
+from fp8train.kernels.cast import HAS_TRITON, cast_2d, empty_2d, empty_scalar, quantize_2d
 
-__all__ = ["HAS_TRITON", "amax_2d", "amax_partials_2d", "cast_2d", "empty_2d", "quantize_2d"]
+__all__ = [
+    "HAS_TRITON",
+    "amax_2d",
+    "amax_partials_2d",
+    "cast_2d",
+    "empty_2d",
+    "empty_scalar",
+    "quantize_2d",
+]

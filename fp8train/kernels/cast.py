@@ -168,7 +168,7 @@ def cast_2d(
     row = empty_2d(m, n, float8_dtype, hp.device, column_major=False) if row_major else None
     col = empty_2d(m, n, float8_dtype, hp.device, column_major=True) if column_major else None
     if scale_from_amax and scale_out is None:
-        scale_out = torch.empty((), device=hp.device)
+        scale_out = empty_scalar(hp.device)
     if hp.numel() == 0:
         if scale_from_amax:
             pow2 = round_to_power_of_2
@@ -216,6 +216,14 @@ def quantize_2d(
         hp, scale, float8_dtype, row_major=not column_major, column_major=column_major
     )
     return col if column_major else row
+
+
+def empty_scalar(device: torch.device) -> torch.Tensor:
+    """An uninitialized 0-d fp32 tensor, as a view of a one-element buffer. Traced, a 0-d
+    `torch.empty` costs a launch: inductor (torch 2.11 to 2.13) lowers it to a kernel that
+    fills it with zero (its no-kernel marker is an empty range per dim, and a 0-d tensor has
+    none), one launch per compiled cast; a one-element buffer is allocated without one."""
+    return torch.empty((1,), dtype=torch.float32, device=device).view(())
 
 
 def empty_2d(
