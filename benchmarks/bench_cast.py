@@ -11,11 +11,10 @@ row is checked against the torch path, byte for byte, before it is timed.
 
 Rows:
 - copy: `dst.copy_(hp)`, 4 bytes an element, the ceiling every other row is a share of;
-- eager kernels: what eager Float8Linear runs (the amax kernel, then one cast kernel writing
-  both layouts); `amax kernel` and `cast kernel` time the two apart;
-- partial maxima: what the compiled cast-kernel casts run, outside torch.compile (the amax
-  kernel that writes one maximum per program, then the cast kernel that reduces them);
-  `amax partials kernel` times the first alone;
+- eager kernels: what eager Float8Linear runs, and the compiled cast-kernel casts outside
+  torch.compile (the amax kernel writing one maximum per program, then one cast kernel that
+  reduces them and writes both layouts); `amax kernel` and `cast kernel` time the two apart
+  (the cast from a given 0-d amax);
 - compiled inductor: `torch.compile` of the torch path (what compiled layers run by default);
   `amax per row first`: the same with the amax reduced per row, then over the rows;
 - compiled cast-kernels: `torch.compile` with the casts as fp8train's triton ops
@@ -35,7 +34,7 @@ from benchmarks.bench_linear import LLAMA_70B_SHAPES
 from benchmarks.utils import markdown_table, median_time_s, print_environment, write_csv
 from fp8train.cast import _column_major, _saturated_cast, cast_layouts
 from fp8train.config import E4M3, ScalingGranularity
-from fp8train.kernels import amax_2d, amax_partials_2d, cast_2d
+from fp8train.kernels import amax_partials_2d, cast_2d
 from fp8train.scaling import amax, amax_to_scale
 
 TENSORWISE = ScalingGranularity.TENSORWISE
@@ -129,7 +128,7 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
 
     def eager(amax_tile=None, cast_tile=None, row_major=True, column_major=True):  # noqa: ANN001, ANN202
         def run() -> tuple:
-            found = amax_2d(hp, tile=amax_tile)
+            found = amax_partials_2d(hp, tile=amax_tile)
             return cast_2d(
                 hp, found, E4M3, row_major=row_major, column_major=column_major,
                 scale_from_amax=True, tile=cast_tile,
@@ -147,20 +146,11 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
     row("eager kernels, both layouts", run, 6, check("eager", run(), want_scale, want))
     run = eager(column_major=False)
     row("eager kernels, row-major only", run, 5, check("eager row", run(), want_scale, want))
-    row("amax kernel", lambda: amax_2d(hp), 2, torch.equal(amax_2d(hp), hp_amax),
-        ("amax", amax_kernel.TILE))  # fmt: skip
+    row("amax kernel", lambda: amax_partials_2d(hp), 2,
+        torch.equal(amax_partials_2d(hp).max(), hp_amax), ("amax", amax_kernel.TILE))  # fmt: skip
     run = cast_only()
     row("cast kernel, both layouts", run, 4, check("cast", run(), want_scale, want),
         ("cast", cast_kernel.TILE))  # fmt: skip
-
-    def partials() -> tuple:
-        found = amax_partials_2d(hp)
-        return cast_2d(hp, found, E4M3, column_major=True, scale_from_amax=True)
-
-    ok = check("partials", partials(), want_scale, want)
-    row("partial maxima, both layouts", partials, 6, ok)
-    row("amax partials kernel", lambda: amax_partials_2d(hp), 2,
-        torch.equal(amax_partials_2d(hp).max(), hp_amax))  # fmt: skip
     for kernels in (False, True):
         run = compiled_cast(kernels)
         out = run(hp)
@@ -173,8 +163,9 @@ def bench_tensor(label: str, m: int, n: int, tiles: bool) -> list[dict]:
         for tile in AMAX_TILES:
             if tile == amax_kernel.TILE:
                 continue
-            row(f"amax kernel {tile}", lambda t=tile: amax_2d(hp, tile=t), 2,
-                torch.equal(amax_2d(hp, tile=tile), hp_amax), ("amax", tile))  # fmt: skip
+            ok = torch.equal(amax_partials_2d(hp, tile=tile).max(), hp_amax)
+            row(f"amax kernel {tile}", lambda t=tile: amax_partials_2d(hp, tile=t), 2, ok,
+                ("amax", tile))  # fmt: skip
         for tile in CAST_TILES:
             if tile == cast_kernel.TILE:
                 continue

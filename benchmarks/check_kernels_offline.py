@@ -7,8 +7,8 @@ Needs Triton (3.6, the version torch 2.11 ships with) and numpy < 2.3 (the inter
 fail with numpy 2.4) beside a CPU build of torch. Two checks:
 1. Triton's interpreter runs the kernels through fp8train's own wrappers on CPU tensors, as if
    the machine had 3 multiprocessors: the partial-maxima amax kernel against torch's amax,
-   and the cast kernel's scale and inverse against amax_to_scale, bit for bit. (Eager mode's
-   atomic amax kernel cannot run there: the interpreter has no atomic exchange of a scalar.)
+   and the cast kernel's scale and inverse against amax_to_scale, bit for bit, in fresh
+   buffers and in one shared buffer as eager casts lay them out (fp8train.cast.cast_layouts).
    The interpreter rounds float8 wrongly near powers of two, so float8 bytes are compared
    only between two kernel paths (0-d amax and partial maxima), never with torch's;
    tests/test_kernels.py does that on the GPU.
@@ -51,12 +51,22 @@ def interpreted() -> None:
             torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for a, b in ((row, row0), (col, col0))
         )
+        # The eager cast's layout: scale, inverse and partial maxima in one buffer.
+        slots = torch.full((8 + partials.numel(),), -1.0)
+        shared_scale, *_ = cast_2d(
+            hp, amax_partials_2d(hp, slots[8:]), E4M3, column_major=True,
+            scale_from_amax=True, scale_out=slots[0], inverse_out=slots[4],
+        )  # fmt: skip
         checks = {
             "partial maxima": torch.equal(partials.max(), want),
             "scale": torch.equal(scale, amax_to_scale(want, E4M3)),
             "inverse": torch.equal(inverse, scale.reciprocal()),
             "same bytes from either amax": same_bytes,
             "column-major layout": col.t().is_contiguous(),
+            "one shared buffer": torch.equal(shared_scale, scale)
+            and torch.equal(slots[0], scale)
+            and torch.equal(slots[4], inverse)
+            and torch.equal(slots[8:], partials),
         }
         bad = [name for name, ok in checks.items() if not ok]
         failures += len(bad)
@@ -78,9 +88,6 @@ def compiled_for_sm90() -> None:
     amax_grid = dict(M=i32, N=i32, stride_hm=i32, stride_hn=i32, tiles_n=i32, tiles=i32)
     tile = dict(BLOCK_M=64, BLOCK_N=128)
     kernels = {
-        "amax": (amax_module._amax_kernel, dict(
-            hp_ptr="*bf16", out_ptr=fp32, running_ptr=fp32, count_ptr="*i32", **amax_grid,
-        ), tile, 8),
         "amax partials": (amax_module._amax_partials_kernel, dict(
             hp_ptr="*bf16", partials_ptr=fp32, **amax_grid,
         ), tile, 8),

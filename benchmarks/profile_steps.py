@@ -146,7 +146,7 @@ def blocks_part():
                 continue
             kind = (
                 "fp8train cast" if "_cast_kernel" in event.key
-                else "fp8train amax" if "_amax_kernel" in event.key
+                else "fp8train amax" if "_amax_partials_kernel" in event.key
                 else "inductor reduction" if event.key.startswith(("triton_red", "triton_per"))
                 else "inductor pointwise" if event.key.startswith("triton_poi")
                 else "other (gemms, attention, copies)"

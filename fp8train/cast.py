@@ -21,7 +21,7 @@ from fp8train.config import (
     ScalingGranularity,
     ScalingType,
 )
-from fp8train.kernels import HAS_TRITON, amax_2d, amax_partials_2d, cast_2d
+from fp8train.kernels import HAS_TRITON, amax_partials_2d, cast_2d, partials_count
 from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
 
@@ -133,16 +133,18 @@ def cast_layouts(
         row, col = False in layouts, True in layouts
         inverse = None
         if granularity is ScalingGranularity.TENSORWISE:
-            # One allocation for the amax, the scale and its inverse (what the gemm takes,
-            # written by the cast kernel: no reciprocal launch per gemm), 16 bytes apart:
-            # cuBLAS refuses a scale that is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED).
-            slots = torch.empty(3, 4, device=hp.device)[:, 0]
-            hp_amax, new_scale, inverse = slots.unbind()
+            # One allocation for the scale, its inverse (what the gemm takes, written by the
+            # cast kernel: no reciprocal launch per gemm) and the amax's partial maxima, 16
+            # bytes apart: cuBLAS refuses a scale that is not 16-byte aligned
+            # (CUBLAS_STATUS_NOT_SUPPORTED).
+            slots = torch.empty(8 + partials_count(hp.device), device=hp.device)
+            new_scale, inverse, partials = slots[0], slots[4], slots[8:]
         if scale is None and granularity is ScalingGranularity.TENSORWISE:
             scale, *data = cast_2d(
-                hp, amax_2d(hp, hp_amax), float8_dtype, row_major=row, column_major=col,
-                scale_from_amax=True, round_to_power_of_2=round_scales_to_power_of_2,
-                scale_out=new_scale, inverse_out=inverse,
+                hp, amax_partials_2d(hp, partials), float8_dtype, row_major=row,
+                column_major=col, scale_from_amax=True,
+                round_to_power_of_2=round_scales_to_power_of_2, scale_out=new_scale,
+                inverse_out=inverse,
             )  # fmt: skip
         else:
             if scale is None:

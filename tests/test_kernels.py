@@ -19,10 +19,10 @@ from fp8train.cast import _saturated_cast
 from fp8train.config import ScalingGranularity
 from fp8train.kernels import (
     HAS_TRITON,
-    amax_2d,
     amax_partials_2d,
     cast_2d,
     empty_scalar,
+    partials_count,
     quantize_2d,
 )
 from fp8train.scaling import amax, amax_to_scale
@@ -219,38 +219,46 @@ def _tensorwise_amax(hp: torch.Tensor) -> torch.Tensor:
 
 
 @needs_triton_gpu
-@pytest.mark.parametrize("shape", [*SHAPES, (16, 16), (1, 17), (64 * 1024, 16)], ids=str)
+@pytest.mark.parametrize("shape", [*SHAPES, (0, 8), (16, 16), (1, 17), (64 * 1024, 16)], ids=str)
 @pytest.mark.parametrize("hp_dtype", HP, ids=str)
-def test_amax_kernel_matches_the_torch_amax_bit_for_bit(shape, hp_dtype):
+def test_amax_partials_kernel_reduces_to_the_torch_amax(shape, hp_dtype):
+    """The casts' amax: one slot per program, whose maximum is the amax bit for bit (0 for an
+    empty tensor); a fresh, uninitialized buffer every call, or the one given."""
     hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
-    assert torch.equal(amax_2d(hp), _tensorwise_amax(hp))
-    # A transposed view and a view that starts off the 16-byte alignment.
-    assert torch.equal(amax_2d(hp.t()), _tensorwise_amax(hp))
-    if hp.numel() > 1:
-        flat = hp.flatten()[1:].view(1, -1)
-        assert torch.equal(amax_2d(flat), _tensorwise_amax(flat))
+    expected = _tensorwise_amax(hp) if hp.numel() else torch.zeros((), device="cuda")
+    # A transposed view, and a view that starts off the 16-byte alignment.
+    views = [hp, hp.t()] + ([hp.flatten()[1:].view(1, -1)] if hp.numel() > 1 else [])
+    for view in views:
+        want = expected if view.numel() == hp.numel() else _tensorwise_amax(view)
+        partials = amax_partials_2d(view)
+        assert partials.shape == (partials_count(hp.device),)
+        assert partials.dtype == torch.float32
+        assert torch.equal(partials.max(), want)
+    out = torch.full((partials_count(hp.device),), 1e30, device="cuda")
+    assert amax_partials_2d(hp, out) is out and torch.equal(out.max(), expected)
 
 
 @needs_triton_gpu
-@pytest.mark.parametrize("shape", [*SHAPES, (0, 8), (64 * 1024, 16)], ids=str)
-@pytest.mark.parametrize("hp_dtype", HP, ids=str)
-def test_amax_partials_kernel_reduces_to_the_torch_amax(shape, hp_dtype):
-    """The compiled casts' amax: one slot per program, whose maximum is the amax bit for bit
-    (0 for an empty tensor); a fresh, uninitialized buffer every call."""
-    hp = (torch.randn(shape, device="cuda") * 10).to(hp_dtype)
-    expected = _tensorwise_amax(hp) if hp.numel() else torch.zeros((), device="cuda")
-    for view in (hp, hp.t()):
-        partials = amax_partials_2d(view)
-        assert partials.dim() == 1 and partials.dtype == torch.float32
-        assert torch.equal(partials.max(), expected)
+def test_amax_partials_keep_nothing_between_launches():
+    """A small amax after a large one does not see the large one."""
+    big = torch.full((300, 300), 1000.0, device="cuda")
+    small = torch.full((5, 7), 0.25, device="cuda")
+    for _ in range(3):
+        assert amax_partials_2d(big).max().item() == 1000.0
+        assert amax_partials_2d(small).max().item() == 0.25
 
 
 @needs_triton_gpu
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_amax_partials_kernel_gives_inf_for_non_finite_input(bad):
+    """A NaN gives inf, which amax_to_scale turns into the same NaN
+    scale as the torch path's NaN amax."""
     hp = torch.randn(257, 129, device="cuda")
     hp[200, 100] = bad
-    assert amax_partials_2d(hp).max().item() == float("inf")
+    partials = amax_partials_2d(hp)
+    assert partials.max().item() == float("inf")
+    assert amax_to_scale(partials.max(), E4M3).isnan()
+    assert amax_to_scale(_tensorwise_amax(hp), E4M3).isnan()
 
 
 @needs_triton_gpu
@@ -303,36 +311,10 @@ def test_kernels_give_the_same_bytes_over_every_tile_shape(shape):
     hp_amax = _tensorwise_amax(hp)
     reference = _bytes(_saturated_cast(hp, amax_to_scale(hp_amax, E4M3), E4M3))
     for tile in AMAX_TILES:
-        assert torch.equal(amax_2d(hp, tile=tile), hp_amax), tile
+        assert torch.equal(amax_partials_2d(hp, tile=tile).max(), hp_amax), tile
     for tile in CAST_TILES:
         _, row, col = cast_2d(hp, hp_amax, E4M3, column_major=True, scale_from_amax=True, tile=tile)
         assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference), tile
-
-
-@needs_triton_gpu
-def test_amax_kernel_resets_its_state_between_launches():
-    """The running maximum is shared by every launch on a stream: a small amax after a large
-    one must not see the large one."""
-    big = torch.full((300, 300), 1000.0, device="cuda")
-    small = torch.full((5, 7), 0.25, device="cuda")
-    for _ in range(3):
-        assert amax_2d(big).item() == 1000.0
-        assert amax_2d(small).item() == 0.25
-    out = torch.empty((), device="cuda")
-    assert amax_2d(small, out) is out and out.item() == 0.25
-    assert amax_2d(torch.empty(0, 8, device="cuda")).item() == 0.0
-
-
-@needs_triton_gpu
-@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_amax_kernel_gives_inf_for_non_finite_input(bad):
-    """An atomic max cannot carry NaN: a NaN gives inf, which amax_to_scale turns into the
-    same NaN scale as the torch path's NaN amax."""
-    hp = torch.randn(257, 129, device="cuda")
-    hp[200, 100] = bad
-    assert amax_2d(hp).item() == float("inf")
-    assert amax_to_scale(amax_2d(hp), E4M3).isnan()
-    assert amax_to_scale(_tensorwise_amax(hp), E4M3).isnan()
 
 
 @needs_triton_gpu

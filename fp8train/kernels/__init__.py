@@ -6,15 +6,15 @@ with the neighbouring ops, unless Float8LinearConfig.compiled_cast_kernels asks 
 (as triton ops, fp8train.cast).
 """
 
-from fp8train.kernels.amax import amax_2d, amax_partials_2d
+from fp8train.kernels.amax import amax_partials_2d, partials_count
 from fp8train.kernels.cast import HAS_TRITON, cast_2d, empty_2d, empty_scalar, quantize_2d
 
 __all__ = [
     "HAS_TRITON",
-    "amax_2d",
     "amax_partials_2d",
     "cast_2d",
     "empty_2d",
     "empty_scalar",
+    "partials_count",
     "quantize_2d",
 ]
