@@ -284,17 +284,18 @@ class Float8LinearConfig:
 
     compiled_cast_kernels: bool = False
     """Experimental. Under torch.compile, run each tensorwise cast as fp8train's own Triton
-    kernels (triton ops that inductor launches itself: a one-launch amax, then one pass that
-    computes the scale and writes every layout the gemms need) instead of leaving the casts to
-    inductor. Off: inductor generates the casts and may fuse them with the ops around them (a
-    norm, an activation). A float8 weight kept for backward (recompute_weight_cast=False) is
-    cast on the torch path either way. Eager mode always uses the kernels on CUDA; on the CPU
-    the ops trace into the torch path. See benchmarks/results/compiled_cast_kernels_*.md and
-    casts_h100_2026-12-05.md: faster on GPU-bound layers; slower on thin ones, where each
-    cast's extra launches (fills of its 0-d outputs) keep the GPU waiting for the host; slower
-    and heavier in a whole compiled LLaMA-style model (e2e_h100_2026-12-05.md): the compile
-    partitioner cannot recompute the kernels, so it keeps their float8 outputs where it would
-    recast inductor's casts from tensors kept anyway (benchmarks/saved_by_block.py)."""
+    kernels (triton ops that inductor launches itself: an amax into per-program partial
+    maxima, then one pass that reduces them, computes the scale and writes every layout the
+    gemms need) instead of leaving the casts to inductor. Off: inductor generates the casts
+    and may fuse them with the ops around them (a norm, an activation). A float8 weight kept
+    for backward (recompute_weight_cast=False) is cast on the torch path either way. Eager
+    mode always uses the kernels on CUDA; on the CPU the ops trace into the torch path. See
+    benchmarks/results/kernels_h100_2026-12-06.md: faster than inductor's casts and than
+    torchao.float8 on GPU-bound layers; slower on thin ones (attn.w0), where the compiled
+    step's host work keeps the GPU waiting; slower and heavier in a whole compiled
+    LLaMA-style model (e2e_h100_2026-12-05.md): the compile partitioner cannot recompute the
+    kernels, so it keeps their float8 outputs where it would recast inductor's casts from
+    tensors kept anyway (benchmarks/saved_by_block.py)."""
 
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
