@@ -81,6 +81,10 @@ FP8_CONFIGS: dict[str, Float8LinearConfig] = {
     "fp8 keep-hp-input": Float8LinearConfig(recompute_input_cast=True),
     # Compiled with fp8train's cast kernels as triton ops; in eager mode the same as default.
     "fp8 cast-kernels": Float8LinearConfig(compiled_cast_kernels=True),
+    # The same for the weights' and gradients' casts only; the inputs' stay inductor's.
+    "fp8 cast-kernels-no-input": Float8LinearConfig(
+        compiled_cast_kernels=("weight", "grad_output")
+    ),
     # The default, and SwiGLU keeps its two inputs in float8 (llama; the linear cases have none).
     "fp8 float8-swiglu": Float8LinearConfig(),
     # The same, SwiGLU's output computed from its bf16 inputs (float8 w2 keeps its own input).

@@ -38,6 +38,9 @@ CONFIGS = {
     "tensorwise cast-kernels keep-hp-input": Float8LinearConfig(
         compiled_cast_kernels=True, recompute_input_cast=True
     ),
+    "tensorwise cast-kernels weight grad_output": Float8LinearConfig(
+        compiled_cast_kernels=("weight", "grad_output")
+    ),
 }
 
 

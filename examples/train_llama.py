@@ -85,6 +85,7 @@ CONFIGS = (
     "tensorwise-delayed",
     "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
+    "tensorwise-cast-kernels-no-input",  # the same for weights and gradients, not inputs
     "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
     "tensorwise-float8-swiglu",  # and SwiGLU keeps its two inputs in float8 (float8_swiglu)
     "tensorwise-float8-swiglu-exact",  # the same, SwiGLU's output from its bf16 inputs
@@ -150,6 +151,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         )
     elif name == "tensorwise-cast-kernels":
         config = Float8LinearConfig(compiled_cast_kernels=True)
+    elif name == "tensorwise-cast-kernels-no-input":
+        config = Float8LinearConfig(compiled_cast_kernels=("weight", "grad_output"))
     elif name == "tensorwise-keep-hp-input":
         config = Float8LinearConfig(recompute_input_cast=True)
     elif name.startswith("tensorwise-float8-swiglu"):

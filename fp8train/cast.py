@@ -493,10 +493,10 @@ def _scale_shape(role: Role, gemm: Gemm, granularity: ScalingGranularity) -> dic
 
 def uses_cast_kernels(config: Float8LinearConfig, role: Role) -> bool:
     """True where compiled casts of `role` are fp8train's triton ops
-    (Float8LinearConfig.compiled_cast_kernels; tensorwise casts only). Not for a float8 weight
-    kept for backward: on the H200 the partitioner kept the hp weight instead when its cast was
-    a triton op, and the torch path's cast keeps to the policy."""
-    return config.compiled_cast_kernels and not (
+    (Float8LinearConfig.compiled_cast_kernels names the role; tensorwise casts only). Not for
+    a float8 weight kept for backward: on the H200 the partitioner kept the hp weight instead
+    when its cast was a triton op, and the torch path's cast keeps to the policy."""
+    return role in config.compiled_cast_kernels and not (
         role is Role.WEIGHT and not config.recompute_weight_cast
     )
 

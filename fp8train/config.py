@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -226,6 +227,18 @@ class Float8LinearRecipeName(str, enum.Enum):
     fp32 elsewhere (see the README)."""
 
 
+def _cast_kernel_roles(value: object) -> frozenset[Role]:
+    """Float8LinearConfig.compiled_cast_kernels as the set of roles it names."""
+    if isinstance(value, bool):
+        return frozenset(Role) if value else frozenset()
+    if isinstance(value, (str, Role)) or not isinstance(value, Iterable):
+        raise ValueError(
+            f"compiled_cast_kernels={value!r}: give True, False or a collection of roles, "
+            "for example ('weight', 'grad_output')"
+        )
+    return frozenset(_parse(Role, role) for role in value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8LinearConfig:
     """Everything a Float8Linear needs to know. The defaults are tensorwise dynamic scaling."""
@@ -282,20 +295,24 @@ class Float8LinearConfig:
     delayed_scaling_config: DelayedScalingConfig = DelayedScalingConfig()
     """History length and scale function of the roles with scaling_type 'delayed'."""
 
-    compiled_cast_kernels: bool = False
-    """Experimental. Under torch.compile, run each tensorwise cast as fp8train's own Triton
-    kernels (triton ops that inductor launches itself: an amax into per-program partial
-    maxima, then one pass that reduces them, computes the scale and writes every layout the
-    gemms need) instead of leaving the casts to inductor. Off: inductor generates the casts
-    and may fuse them with the ops around them (a norm, an activation). A float8 weight kept
-    for backward (recompute_weight_cast=False) is cast on the torch path either way. Eager
-    mode always uses the kernels on CUDA; on the CPU the ops trace into the torch path. See
+    compiled_cast_kernels: bool | frozenset[Role] = False
+    """Experimental. Under torch.compile, run tensorwise casts as fp8train's own Triton kernels
+    (triton ops that inductor launches itself: an amax into per-program partial maxima, then
+    one pass that reduces them, computes the scale and writes every layout the gemms need)
+    instead of leaving them to inductor. True: every role's casts; a collection of roles
+    ("input", "weight", "grad_output"): those roles' casts only (stored as a frozenset of
+    Role; False as an empty one). Off: inductor generates the casts and may fuse them with the
+    ops around them (a norm, an activation). A float8 weight kept for backward
+    (recompute_weight_cast=False) is cast on the torch path either way. Eager mode always
+    uses the kernels on CUDA; on the CPU the ops trace into the torch path. See
     benchmarks/results/kernels_h100_2026-12-06.md: faster than inductor's casts and than
     torchao.float8 on GPU-bound layers; slower on thin ones (attn.w0), where the compiled
-    step's host work keeps the GPU waiting; slower and heavier in a whole compiled
-    LLaMA-style model (e2e_h100_2026-12-05.md): the compile partitioner cannot recompute the
-    kernels, so it keeps their float8 outputs where it would recast inductor's casts from
-    tensors kept anyway (benchmarks/saved_by_block.py)."""
+    step's host work keeps the GPU waiting. With the input among the roles, a whole compiled
+    LLaMA-style model is slower and heavier (e2e_h100_2026-12-05.md): the compile
+    partitioner cannot recompute the kernels, so it keeps the float8 inputs where it would
+    recast inductor's casts from tensors kept anyway (benchmarks/saved_by_block.py).
+    ("weight", "grad_output") leaves the inputs' casts to inductor: no cast the partitioner
+    would keep is a kernel, so the block keeps what it keeps without the kernels."""
 
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
@@ -309,6 +326,9 @@ class Float8LinearConfig:
     # that torch.compile traces (torch 2.11's dynamo cannot trace them inside autograd.Function).
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "compiled_cast_kernels", _cast_kernel_roles(self.compiled_cast_kernels)
+        )
         base = {
             Role.INPUT: self.cast_config_input,
             Role.WEIGHT: self.cast_config_weight,

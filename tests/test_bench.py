@@ -153,6 +153,15 @@ def test_bench_linear_times_every_recipe(capsys):
         assert any(f"| {recipe.value} |" in row for row in rows), recipe
 
 
+def test_bench_linear_times_compiled_cast_kernels_for_weight_and_grad_output(capsys):
+    """A compiled row with the cast kernels for the weight and grad_output only (on the CPU
+    the kernels' ops trace into the torch path)."""
+    argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "on"]
+    main([*argv, "--compiled-casts", "kernels-no-input"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| custom0")]
+    assert [row.split(" | ")[5] for row in rows] == ["tensorwise+cast-kernels-no-input"]
+
+
 def test_bench_linear_times_a_models_layers_with_the_auto_filters_choice(capsys, monkeypatch):
     from benchmarks import bench_linear
     from fp8train import auto_filter

@@ -477,6 +477,32 @@ def test_compiled_selective_checkpoint_keeps_what_its_policy_saves():
     assert not any(dtype == E4M3 for dtype, _ in graph)
 
 
+def test_cast_kernels_for_weights_and_gradients_keep_what_inductors_casts_keep(monkeypatch):
+    """Cast kernels are opaque to the partitioner: for the inputs it keeps their float8
+    outputs, where it recasts inductor's casts in backward from tensors kept anyway. Limited
+    to the weights' and gradients' casts, which backward never keeps from forward, the block
+    keeps what it keeps with inductor's casts. Custom ops running the torch path stand in for
+    the GPU's triton ops (benchmarks/saved_by_block.py --opaque-casts)."""
+    import fp8train.cast
+    from benchmarks.saved_by_block import _opaque_cast_ops, describe
+    from fp8train.models import TransformerBlock, rotary_cos_sin
+
+    monkeypatch.setattr(fp8train.cast, "_cast_ops", _opaque_cast_ops)
+    args = ModelArgs(dim=64, n_heads=2, ffn_dim=176, max_seq_len=96)
+    torch.manual_seed(0)
+    bf16 = TransformerBlock(args).to(torch.bfloat16)
+    x = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_cos_sin(96, 32, 10000.0, x.device)
+    kept = {}
+    for roles in (False, True, ("weight", "grad_output")):
+        config = Float8LinearConfig(compiled_cast_kernels=roles)
+        block = convert_to_float8_training(copy.deepcopy(bf16), config=config)
+        kept[roles] = describe(saved_by_backward(block, x, cos, sin), block)
+    assert kept[True]["float8 MiB"] > 0
+    assert kept[("weight", "grad_output")] == kept[False]
+    assert kept[False]["float8 MiB"] == 0
+
+
 def test_inductor_recasts_every_input_of_a_llama_block_in_backward():
     """Under inductor a LLaMA-style block keeps no float8 copy by default: each linear input
     is remade in backward from what the block keeps anyway (the norm's input, attention's

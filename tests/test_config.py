@@ -95,6 +95,27 @@ def test_two_e5m2_operands_are_rejected():
         Float8LinearConfig(cast_config_weight=e5m2)
 
 
+def test_compiled_cast_kernels_names_roles():
+    from fp8train.cast import uses_cast_kernels
+
+    assert Float8LinearConfig().compiled_cast_kernels == frozenset()
+    assert Float8LinearConfig(compiled_cast_kernels=True).compiled_cast_kernels == set(Role)
+    some = Float8LinearConfig(compiled_cast_kernels=("weight", Role.GRAD_OUTPUT))
+    assert some.compiled_cast_kernels == {Role.WEIGHT, Role.GRAD_OUTPUT}
+    assert [uses_cast_kernels(some, role) for role in Role] == [False, True, True]
+    # A float8 weight kept for backward is cast on the torch path whatever the roles say.
+    kept = dataclasses.replace(some, recompute_weight_cast=False)
+    assert [uses_cast_kernels(kept, role) for role in Role] == [False, False, True]
+    assert some == Float8LinearConfig(compiled_cast_kernels=["grad_output", "weight"])
+    hash(some)
+
+
+@pytest.mark.parametrize("bad", ["weight", 1, ("weights",)])
+def test_compiled_cast_kernels_rejects_what_is_not_a_collection_of_roles(bad):
+    with pytest.raises(ValueError, match="compiled_cast_kernels|is not a Role.*'grad_output'"):
+        Float8LinearConfig(compiled_cast_kernels=bad)
+
+
 def test_cast_config_rejects_a_role_outside_the_gemm():
     with pytest.raises(ValueError, match="weight is not an operand of the grad_weight gemm"):
         Float8LinearConfig().cast_config(Role.WEIGHT, Gemm.GRAD_WEIGHT)

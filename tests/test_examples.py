@@ -33,6 +33,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
         "tensorwise-delayed",
         "tensorwise-delayed-one-pass",
         "tensorwise-cast-kernels",
+        "tensorwise-cast-kernels-no-input",
         "tensorwise-keep-hp-input",
         "tensorwise-float8-swiglu",
         "tensorwise-float8-swiglu-exact",
