@@ -3,6 +3,8 @@
     python -m benchmarks.profile_host                      # 256x256x256 bf16 on the GPU
     python -m benchmarks.profile_host --shape 2048 1024 1024 --top 30
     python -m benchmarks.profile_host --device cpu --dtype float32   # the CPU path
+    python -m benchmarks.profile_host --compile                      # both layers compiled
+    python -m benchmarks.profile_host --compile --compiled-cast-kernels weight grad_output
 
 On a tiny shape the GPU work is negligible, so the time per step is the host's: Python,
 autograd, allocations and kernel launches. A diagnostic, not a benchmark table.
@@ -20,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from fp8train import Float8Linear
+from fp8train import Float8Linear, Float8LinearConfig
 
 
 def _sync(device: str) -> None:
@@ -51,11 +53,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--top", type=int, default=40, help="rows of the profile to print")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile(fullgraph=True) both layers"
+    )
+    parser.add_argument(
+        "--compiled-cast-kernels",
+        nargs="*",
+        metavar="ROLE",
+        help="with --compile: Float8LinearConfig.compiled_cast_kernels, every role if none is "
+        "named (input, weight, grad_output)",
+    )
     args = parser.parse_args(argv)
     m, k, n = args.shape
     dtype = getattr(torch, args.dtype)
     base = nn.Linear(k, n, bias=False, device=args.device, dtype=dtype)
-    fp8 = Float8Linear.from_float(copy.deepcopy(base))
+    kernels = args.compiled_cast_kernels
+    config = Float8LinearConfig(
+        compiled_cast_kernels=False if kernels is None else (kernels or True)
+    )
+    fp8 = Float8Linear.from_float(copy.deepcopy(base), config)
+    if args.compile:
+        base, fp8 = (torch.compile(layer, fullgraph=True) for layer in (base, fp8))
     x = torch.randn(m, k, device=args.device, dtype=dtype, requires_grad=True)
     for name, layer in ((args.dtype, base), ("float8", fp8)):
         print(f"{name}: {host_us_per_step(layer, x, args.steps):.1f} us per fwd+bwd")

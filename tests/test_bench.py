@@ -1,5 +1,6 @@
 """The benchmark commands' plumbing (the measurements themselves run on a GPU)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,20 @@ def test_profile_host_prints_both_step_times_and_a_profile(capsys):
     out = capsys.readouterr().out
     assert "float32:" in out and "float8:" in out and "us per fwd+bwd" in out
     assert "function calls" in out
+
+
+def test_profile_host_times_compiled_layers(capsys):
+    from benchmarks.profile_host import main as profile_host
+
+    profile_host(["--device", "cpu", "--dtype", "float32", "--shape", "16", "16", "16"]
+                 + ["--steps", "2", "--top", "500", "--compile"]
+                 + ["--compiled-cast-kernels", "weight", "grad_output"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "float32:" in out and "float8:" in out and "eval_frame.py" in out
+    # Compiled, a step runs generated code: of fp8train's Python only the frame of
+    # Float8Linear.forward, which the compiled code replaces, shows in the profile.
+    ours = [line for line in out.splitlines() if "fp8train/" in line]
+    assert ours and all(re.search(r"fp8train/linear\.py:\d+\(forward\)$", x) for x in ours), ours
 
 
 def test_peak_report_names_the_phase_and_the_line_of_an_allocation():
