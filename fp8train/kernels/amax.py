@@ -36,23 +36,6 @@ from fp8train.kernels.launch import (
 if HAS_TRITON:
 
     @triton.jit
-    def _max_of_tiles(
-        hp_ptr, M, N, stride_hm, stride_hn, tiles_n, tiles, pid, programs,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        """max |hp| over the tiles pid, pid + programs, ... (0 if none), NaN counted as inf."""
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for tile in range(pid, tiles, programs):
-            tile_m = tile // tiles_n
-            rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-            cols = (tile - tile_m * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            mask = (rows < M) & (cols < N)
-            offsets = rows.to(tl.int64) * stride_hm + cols.to(tl.int64) * stride_hn
-            magnitude = tl.abs(tl.load(hp_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
-            acc = tl.maximum(acc, tl.where(magnitude == magnitude, magnitude, float("inf")))
-        return tl.max(tl.max(acc, axis=1), axis=0)
-
-    @triton.jit
     def _amax_partials_kernel(
         hp_ptr,
         partials_ptr,
@@ -66,13 +49,18 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
     ):
         pid, programs = tl.program_id(0), tl.num_programs(0)
-        # A program with no tile (more programs than tiles) writes 0, which no maximum misses.
-        tl.store(
-            partials_ptr + pid,
-            _max_of_tiles(
-                hp_ptr, M, N, stride_hm, stride_hn, tiles_n, tiles, pid, programs, BLOCK_M, BLOCK_N
-            ),
-        )
+        # max |hp| over the tiles pid, pid + programs, ..., NaN counted as inf. A program with
+        # no tile (more programs than tiles) writes 0, which no maximum misses.
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for tile in range(pid, tiles, programs):
+            tile_m = tile // tiles_n
+            rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+            cols = (tile - tile_m * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            mask = (rows < M) & (cols < N)
+            offsets = rows.to(tl.int64) * stride_hm + cols.to(tl.int64) * stride_hn
+            magnitude = tl.abs(tl.load(hp_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
+            acc = tl.maximum(acc, tl.where(magnitude == magnitude, magnitude, float("inf")))
+        tl.store(partials_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 TILE = (64, 128, 4, 8)
@@ -103,17 +91,18 @@ def amax_partials_2d(
     long) whose maximum is max |hp|, with a NaN anywhere giving inf; slots of programs that
     had no tile hold 0 (an empty hp: all of them). One launch, nothing zeroed: what the cast
     kernel's `scale_from_amax` reduces itself. `out`: a contiguous 1-D fp32 buffer of that
-    length to write into. `traced`: the body of a triton op that torch.compile traces.
-    `tile`: instead of TILE."""
+    length to write into (its length is taken as the count). `traced`: the body of a triton
+    op that torch.compile traces. `tile`: instead of TILE."""
     m, n = hp.shape
-    programs = partials_count(hp.device, tile)
-    partials = torch.empty(programs, dtype=torch.float32, device=hp.device) if out is None else out
+    if out is None:
+        out = torch.empty(partials_count(hp.device, tile), dtype=torch.float32, device=hp.device)
+    programs = out.numel()
     block_m, block_n, _, num_warps = tile or TILE
     tiles_n = cdiv(n, block_n)
     tiles = cdiv(m, block_m) * tiles_n
     (traced_launch if traced else launch)(
         _amax_partials_kernel, (programs,),
-        hp, partials, m, n, hp.stride(0), hp.stride(1), tiles_n, tiles,
+        hp, out, m, n, hp.stride(0), hp.stride(1), tiles_n, tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
-    return partials
+    return out
