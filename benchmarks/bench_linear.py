@@ -142,8 +142,10 @@ def bench_shape(
     device,
     scaling="dynamic",
     cast_kernels=None,
+    compile_mode="default",
 ):  # noqa: ANN001, ANN201, PLR0913
-    """One row; `cast_kernels`: a key of COMPILED_CASTS, or None for inductor's casts."""
+    """One row; `cast_kernels`: a key of COMPILED_CASTS, or None for inductor's casts;
+    `compile_mode`: torch.compile's mode for every layer of a compiled row."""
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
     if scaling.startswith("delayed"):
@@ -176,7 +178,7 @@ def bench_shape(
         )
     if compiled:
         torch._dynamo.reset()
-        layers = {key: torch.compile(layer) for key, layer in layers.items()}
+        layers = {key: torch.compile(layer, mode=compile_mode) for key, layer in layers.items()}
     x = torch.randn(m, k, device=device, dtype=ref_dtype, requires_grad=True)
     grad = torch.randn(m, n, device=device, dtype=ref_dtype)
     times: dict[str, list[float]] = {key: [] for key in layers}
@@ -206,6 +208,7 @@ def bench_shape(
         "shape": f"({m}, {k}, {n})",
         "ref_dtype": str(ref_dtype).removeprefix("torch."),
         "compiled": compiled,
+        "compile_mode": compile_mode if compiled else None,
         "recompute_weight_cast": recompute,
         "recipe": recipe,
         "ref_time_sec": t["ref"],
@@ -273,6 +276,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ref-dtypes", nargs="+", default=None, choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--compile", choices=["off", "on", "both"], default="both")
+    parser.add_argument(
+        "--compile-mode",
+        nargs="+",
+        default=["default"],
+        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+        help="torch.compile's mode for the compiled rows, the same for every layer of a row; "
+        "reduce-overhead replays each step as CUDA graphs, which takes away the host's "
+        "launch work that bounds a small or thin layer timed alone",
+    )
     parser.add_argument("--recompute", choices=["on", "off", "both"], default="on")
     parser.add_argument(
         "--recipes",
@@ -343,13 +355,15 @@ def main(args: argparse.Namespace) -> None:
     recipes += [("tensorwise", s) for s in ("delayed", "delayed-one-pass") if s in args.scaling]
     rows = []
     kernels = [casts if casts in COMPILED_CASTS else None for casts in args.compiled_casts]
-    for (name, (m, k, n)), ref, c, r, (recipe, scaling), kern in itertools.product(
-        shapes.items(), ref_names, compiled, recompute, recipes, kernels
+    modes = [(False, "default")] * (False in compiled)
+    modes += [(True, mode) for mode in args.compile_mode] * (True in compiled)
+    for (name, (m, k, n)), ref, (c, mode), r, (recipe, scaling), kern in itertools.product(
+        shapes.items(), ref_names, modes, recompute, recipes, kernels
     ):
         if kern and not (c and recipe == "tensorwise"):
             continue  # eager casts are the kernels already; rowwise casts stay inductor's
         rows.append(
-            bench_shape(name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling, kern)
+            bench_shape(name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling, kern, mode)
         )
         # One line per row as it is timed, so that a run cut short still shows its rows.
         print(", ".join(f"{key}={value}" for key, value in rows[-1].items()), flush=True)

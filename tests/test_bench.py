@@ -160,7 +160,20 @@ def test_bench_linear_times_compiled_cast_kernels_for_weight_and_grad_output(cap
     argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "on"]
     main([*argv, "--compiled-casts", "kernels-no-input"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| custom0")]
-    assert [row.split(" | ")[5] for row in rows] == ["tensorwise+cast-kernels-no-input"]
+    assert [row.split(" | ")[6] for row in rows] == ["tensorwise+cast-kernels-no-input"]
+
+
+def test_bench_linear_times_each_compile_mode_asked_for(capsys):
+    """One compiled row per --compile-mode, after the eager row (on the CPU reduce-overhead
+    compiles without CUDA graphs, as torch.compile does there)."""
+    argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "both"]
+    main([*argv, "--compile-mode", "default", "reduce-overhead"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| custom0")]
+    assert [row.split(" | ")[3:5] for row in rows] == [
+        ["False", "None"],
+        ["True", "default"],
+        ["True", "reduce-overhead"],
+    ]
 
 
 def test_bench_linear_times_a_models_layers_with_the_auto_filters_choice(capsys, monkeypatch):

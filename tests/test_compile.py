@@ -278,6 +278,36 @@ def test_compiled_cast_kernels_launch_nothing_but_their_kernels():
     assert not re.search(r"triton_\w*_fused_\w*empty", code)
 
 
+@pytest.mark.skipif(
+    FLOAT8_GPU_REASON is not None or not HAS_TRITON, reason=str(FLOAT8_GPU_REASON or "Triton")
+)
+@pytest.mark.parametrize("cast_kernels", [False, True], ids=["inductor-casts", "cast-kernels"])
+def test_cuda_graphs_replay_the_compiled_steps_exactly(cast_kernels):
+    """torch.compile(mode="reduce-overhead") records the compiled float8 steps as CUDA graphs
+    and replays them: over steps that warm up, record and replay, every output and gradient
+    equals the default mode's."""
+    config = Float8LinearConfig(compiled_cast_kernels=cast_kernels)
+    layer = Float8Linear(K, N, config=config).cuda().to(torch.bfloat16)
+    inputs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    results = []
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, mode=mode, fullgraph=True)
+        steps = []
+        for x in inputs:
+            layer.zero_grad()
+            xi = x.clone().requires_grad_()
+            out = compiled(xi)
+            out.float().square().sum().backward()
+            # Clones: a replayed graph's outputs live in memory the next replay overwrites.
+            steps.append((out.detach().clone(), xi.grad.clone(), layer.weight.grad.clone()))
+        results.append(steps)
+    for step, (default, graphed) in enumerate(zip(*results, strict=True)):
+        names = ("output", "grad_input", "grad_weight")
+        for name, a, b in zip(names, default, graphed, strict=True):
+            assert torch.equal(a, b), f"step {step}, {name}: max |diff| {(a - b).abs().max()}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_cast_kernels_match_eager_bit_for_bit(device):
     """Same output and gradients as eager mode (which on CUDA runs the same kernels)."""
