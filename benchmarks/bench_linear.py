@@ -116,11 +116,23 @@ ROUNDS = 3
 """Each timing is the median of this many interleaved rounds (ref, ours, torchao, ref, ...)."""
 
 
-def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):  # noqa: ANN201
-    def run() -> None:
+def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, graphs: bool = False):  # noqa: ANN201
+    if not graphs:
+
+        def run() -> None:
+            layer(x).backward(grad)
+
+        return run
+
+    def run_graphed() -> None:
+        # CUDA graphs (compile mode reduce-overhead): a step's gradients live in the graphs'
+        # memory, which the next replay overwrites, so none is accumulated into.
+        torch.compiler.cudagraph_mark_step_begin()
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
         layer(x).backward(grad)
 
-    return run
+    return run_graphed
 
 
 # The recipes torchao.float8 names alike: timed beside ours in the same run.
@@ -184,11 +196,13 @@ def bench_shape(
     times: dict[str, list[float]] = {key: [] for key in layers}
 
     def step(key: str, layer: nn.Module):  # noqa: ANN202
+        graphs = compiled and compile_mode == "reduce-overhead"
         if key != "fp8" or not scaling.startswith("delayed"):
-            return fwd_bwd(layer, x, grad)
+            return fwd_bwd(layer, x, grad, graphs)
+        fwd_bwd_step = fwd_bwd(layer, x, grad, graphs)
 
         def run() -> None:  # delayed scaling: the once-per-step sync belongs to the step
-            layer(x).backward(grad)
+            fwd_bwd_step()
             sync_float8_amax_and_scale_history(fp8_layer)
 
         return run
