@@ -7,12 +7,14 @@ importable, timed in the same run, interleaved), on float8_experimental's LLaMA-
     python -m benchmarks.bench_linear --sweep                              (a grid of K, N)
     python -m benchmarks.bench_linear --model e2e       (the layers of a model of this repo)
     python -m benchmarks.bench_linear --device cpu --shape 64 64 64        (a smoke run)
+    python -m benchmarks.bench_linear --compile on --compile-mode reduce-overhead default
+                                                           (with and without CUDA graphs)
 
-Columns: name, shape, ref_dtype, compiled, recompute_weight_cast, recipe, ref_time_sec,
-fp8_time_sec, fp8_speedup, fp8_sqnr_db (the timed layer's output against the reference's, a
-guard that the timed code computes the right thing), pct_fp8_peak (the three gemms' 6*M*K*N
-FLOPs over fp8_time_sec, as a share of --fp8-peak-tflops), and torchao_time_sec /
-torchao_speedup / vs_torchao / torchao_sqnr_db. With --plot, a PNG of the speedups by shape
+Columns: name, shape, ref_dtype, compiled, compile_mode, recompute_weight_cast, recipe,
+ref_time_sec, fp8_time_sec, fp8_speedup, fp8_sqnr_db (the timed layer's output against the
+reference's, a guard that the timed code computes the right thing), pct_fp8_peak (the three
+gemms' 6*M*K*N FLOPs over fp8_time_sec, as a share of --fp8-peak-tflops), and torchao_time_sec
+/ torchao_speedup / vs_torchao / torchao_sqnr_db. With --plot, a PNG of the speedups by shape
 (needs matplotlib).
 
 fp8_device_speedup and torchao_device_speedup compare the layers' work on the device alone
