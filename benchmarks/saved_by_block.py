@@ -25,7 +25,12 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 import fp8train.cast
 from benchmarks.utils import markdown_table, print_environment
-from fp8train import Float8LinearConfig, convert_to_float8_training
+from fp8train import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8LinearConfig,
+    convert_to_float8_training,
+)
 from fp8train.config import ScalingGranularity
 from fp8train.models import ModelArgs, TransformerBlock, rotary_cos_sin
 from fp8train.tensor import Float8Tensor
@@ -40,6 +45,23 @@ CONFIGS = {
     ),
     "tensorwise cast-kernels weight grad_output": Float8LinearConfig(
         compiled_cast_kernels=("weight", "grad_output")
+    ),
+    "tensorwise delayed": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="delayed"),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        cast_config_grad_output=CastConfig(scaling_type="delayed"),
+    ),
+    "tensorwise delayed keep-hp-input": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="delayed"),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        cast_config_grad_output=CastConfig(scaling_type="delayed"),
+        recompute_input_cast=True,
+    ),
+    "tensorwise delayed one-pass": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="delayed"),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        cast_config_grad_output=CastConfig(scaling_type="delayed"),
+        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True),
     ),
 }
 
