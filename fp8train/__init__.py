@@ -24,7 +24,11 @@ from fp8train.config import (
     ScalingType,
 )
 from fp8train.convert import convert_to_float8_training
-from fp8train.delayed import strip_float8_state, sync_float8_amax_and_scale_history
+from fp8train.delayed import (
+    strip_float8_state,
+    sync_float8_amax_and_scale_history,
+    tie_delayed_input_scales,
+)
 from fp8train.distributed import precompute_float8_dynamic_scale_for_fsdp
 from fp8train.filters import auto_filter
 from fp8train.linear import Float8Linear
@@ -49,6 +53,7 @@ __all__ = [
     "convert_to_float8_training",
     "auto_filter",
     "sync_float8_amax_and_scale_history",
+    "tie_delayed_input_scales",
     "strip_float8_state",
     "precompute_float8_dynamic_scale_for_fsdp",
     "cast_weights_once",

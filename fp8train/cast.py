@@ -269,9 +269,15 @@ def _saturated_cast_whole(
 ) -> torch.Tensor:
     fp8_max = torch.finfo(float8_dtype).max
     # Saturate before the cast: float8_e4m3fn has no inf, an overflow would become NaN.
-    scaled = (hp.to(torch.float32) * scale).clamp(-fp8_max, fp8_max)
+    wide = hp.to(torch.float32)
+    scaled = (wide * scale).clamp(-fp8_max, fp8_max)
     if nonfinite_to_nan:
-        scaled = torch.where(torch.isinf(hp), torch.nan, scaled)
+        # |inf - inf| is NaN: no NaN constant in the graph, which would keep torch.compile's
+        # common-subexpression elimination (it compares arguments with ==) from merging the
+        # casts of one input by layers that share its scale (tie_delayed_input_scales). The
+        # abs makes it the positive NaN on every device (x86 makes a negative one), as the
+        # constant and the kernel are.
+        scaled = torch.where(torch.isinf(hp), (wide - wide).abs(), scaled)
     return scaled.to(float8_dtype)
 
 

@@ -10,7 +10,8 @@ and sync_float8_amax_and_scale_history(model), called once per step after backwa
 history and recomputes every scale at once: stacked tensors and foreach copies, one all-reduce
 (MAX) of all amaxes when torch.distributed runs. A non-finite amax is never written into a
 history (the old scale stays, with a warning), and the cast that saw it gives NaN, so that the
-inf or NaN reaches the loss, as it would in bf16.
+inf or NaN reaches the loss, as it would in bf16. Layers that read one input may share one
+input state (tie_delayed_input_scales), so that compiled code casts that input once.
 
 Static: CastConfig(scaling_type='static', static_scale=s) casts with s; no state.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -62,6 +64,10 @@ def register_delayed_buffers(
     # The roles whose scale buffer holds an earlier step's scale, known on the host: set by
     # the eager sync, cleared when a state_dict is loaded.
     module._fp8_ready_roles = set()
+    # Role value -> the Float8Linear whose state this layer's role uses instead of its own
+    # (tie_delayed_input_scales). A plain dict, so that the other layer is not registered as
+    # a submodule of this one.
+    module._fp8_state_sources = {}
     for role in delayed_roles(config):
         values = (
             torch.zeros((), device=device),
@@ -80,6 +86,75 @@ def buffer_names(config: Float8LinearConfig) -> list[str]:
 def role_state(module: nn.Module, role: Role, ready: bool = False) -> DelayedState:
     buffers = (getattr(module, f"fp8_{name}_{role.value}") for name in _NAMES)
     return DelayedState(*buffers, ready=ready)
+
+
+def state_source(module: nn.Module, role: Role) -> nn.Module:
+    """The layer whose delayed state `module` uses for `role`: itself unless tied (followed
+    through a layer that was tied to another later)."""
+    source = module
+    while (next_source := source._fp8_state_sources.get(role.value)) is not None:
+        source = next_source
+    return source
+
+
+def tie_delayed_input_scales(layers: Sequence[nn.Module]) -> None:
+    """Give Float8Linear layers that read one input tensor (attention's q, k and v projections,
+    the feed-forward's gate and up projections) one delayed-scaling state for that input: the
+    first layer's amax, history and scale serve them all.
+
+    Their scales are equal anyway (each records the same tensor's amax), but under
+    torch.compile only casts with one scale tensor are seen to be the same cast: tied, the
+    compiled graph casts the input once and keeps at most one float8 copy of it for backward,
+    as with dynamic scaling; untied, each layer keeps its own. Eager mode shares such casts
+    either way. Call it after `convert_to_float8_training` and before compiling; the other
+    layers' own input buffers stay in their state_dict, unused while the tie lasts.
+    `fp8train.models.tie_shared_delayed_inputs` ties the layers of the bundled model."""
+    from fp8train.linear import Float8Linear
+
+    layers = list(layers)
+    if len(layers) < 2:
+        raise ValueError(f"tie_delayed_input_scales needs at least two layers, got {len(layers)}")
+    for layer in layers:
+        if not isinstance(layer, Float8Linear):
+            raise TypeError(
+                f"tie_delayed_input_scales takes Float8Linear layers, got {type(layer).__name__}: "
+                "convert the model with convert_to_float8_training first"
+            )
+        if Role.INPUT not in delayed_roles(layer.config):
+            raise ValueError(
+                f"{_name(layer)} does not scale its input with delayed scaling "
+                "(cast_config_input.scaling_type='delayed'): only delayed inputs have a state "
+                "to tie"
+            )
+    first = layers[0]
+    for layer in layers[1:]:
+        if _input_state_rules(layer.config) != _input_state_rules(first.config):
+            raise ValueError(
+                f"{_name(layer)} and {_name(first)} scale their inputs by different rules "
+                "(cast_config_input, delayed_scaling_config, round_scales_to_power_of_2): "
+                "tie only layers whose input casts are configured alike"
+            )
+        if layer.in_features != first.in_features:
+            raise ValueError(
+                f"{_name(layer)} has in_features={layer.in_features} and {_name(first)} "
+                f"{first.in_features}: layers that read one input have the same in_features"
+            )
+    source = state_source(first, Role.INPUT)
+    for layer in layers:
+        if layer is not source:
+            layer._fp8_state_sources[Role.INPUT.value] = source
+
+
+def _input_state_rules(config: Float8LinearConfig) -> tuple:
+    return (
+        config.cast_config(Role.INPUT, Gemm.OUTPUT),
+        config.delayed_scaling_config,
+        config.round_scales_to_power_of_2,
+    )
+
+
+def _name(layer: nn.Module) -> str:
+    return f"Float8Linear '{layer.fqn}'" if getattr(layer, "fqn", "") else "a Float8Linear"
 
 
 def stateful_scale(
@@ -113,7 +188,10 @@ def stateful_scale(
         current = raise_amax(state.amax, hp)
         fresh = amax_to_scale(current, cast.target_dtype, round_to_power_of_2=round_pow2)
         scale = torch.where(state.initialized, state.scale, fresh)
-        return torch.where(torch.isfinite(current), scale, torch.nan), None
+        # |current - current|: the positive NaN where current is inf or NaN, without a NaN
+        # constant (which torch.compile's common-subexpression elimination cannot match, see
+        # _saturated_cast_whole).
+        return torch.where(torch.isfinite(current), scale, (current - current).abs()), None
 
 
 # Per model, the previous sync's flags still to be read (kept off the module, which may be
@@ -137,6 +215,8 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
             continue
         config = module.config
         for role in delayed_roles(config):
+            if state_source(module, role) is not module:
+                continue  # tied: its source's state is synced once, as its own
             cast = config.cast_config(role, _FIRST_GEMM[role])
             key = (config.delayed_scaling_config.scale_fn,)
             entry = (fqn, role, role_state(module, role), cast, config.round_scales_to_power_of_2)

@@ -6,7 +6,13 @@ import torch
 from torch import nn
 
 from fp8train.config import BLOCK, HP_DTYPES, Float8LinearConfig, Gemm, ScalingGranularity
-from fp8train.delayed import buffer_names, delayed_roles, register_delayed_buffers, role_state
+from fp8train.delayed import (
+    buffer_names,
+    delayed_roles,
+    register_delayed_buffers,
+    role_state,
+    state_source,
+)
 from fp8train.gemm import ALIGNMENT, misaligned_message
 from fp8train.matmul import (
     blockwise_tokens_misaligned,
@@ -74,8 +80,14 @@ class Float8Linear(nn.Linear):
         # Compiled code reads the host-side flag only when asked to: dynamo guards on it, and
         # the graph recompiles once when the scales become ready.
         one_pass = self.config.delayed_scaling_config.compiled_one_pass
-        ready = set() if torch.compiler.is_compiling() and not one_pass else self._fp8_ready_roles
-        state = {role: role_state(self, role, role in ready) for role in delayed_roles(self.config)}
+        state = {}
+        for role in delayed_roles(self.config):
+            # A tied role (tie_delayed_input_scales) uses another layer's state and readiness.
+            source = state_source(self, role)
+            ready = not (torch.compiler.is_compiling() and not one_pass) and (
+                role in source._fp8_ready_roles
+            )
+            state[role] = role_state(source, role, ready)
         weight_casts = self._weight_casts
         stale = (
             weight_casts is not None

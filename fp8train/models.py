@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8train.activations import float8_swiglu
+from fp8train.config import Role
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,28 @@ def use_float8_swiglu(model: nn.Module, exact_forward: bool = False) -> nn.Modul
         if isinstance(module, FeedForward):
             module.float8_swiglu = True
             module.float8_swiglu_exact_forward = exact_forward
+    return model
+
+
+def tie_shared_delayed_inputs(model: nn.Module) -> nn.Module:
+    """Tie the delayed input scales (fp8train.tie_delayed_input_scales) of the layers that
+    read one input in every block of `model`: wq, wk and wv; w1 and w3. Groups with a layer
+    that is not float8 or not delayed are left alone. Returns `model`."""
+    from fp8train.delayed import delayed_roles, tie_delayed_input_scales
+    from fp8train.linear import Float8Linear
+
+    def delayed_input(layer: nn.Module) -> bool:
+        return isinstance(layer, Float8Linear) and Role.INPUT in delayed_roles(layer.config)
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            group = [module.wq, module.wk, module.wv]
+        elif isinstance(module, FeedForward):
+            group = [module.w1, module.w3]
+        else:
+            continue
+        if all(delayed_input(layer) for layer in group):
+            tie_delayed_input_scales(group)
     return model
 
 

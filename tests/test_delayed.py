@@ -163,6 +163,14 @@ def test_static_scale_turns_an_inf_into_nan_not_a_saturated_value(device):
     with torch.no_grad():
         out = layer(x)
     assert out[3].isnan().all() and torch.isfinite(out[:3]).all()
+    # The float8 NaN itself is the positive one (0x7f) on every device, as the kernel's:
+    # the torch path makes it as |inf - inf|, and x86 gives inf - inf a negative sign.
+    from fp8train.cast import cast_layouts
+    from fp8train.config import ScalingGranularity
+
+    scale = torch.tensor(4.0, device=device)
+    (cast,) = cast_layouts(x, E4M3, ScalingGranularity.TENSORWISE, (False,), scale=scale)
+    assert cast._data.view(torch.uint8)[3, 5].item() == 0x7F
 
 
 def test_delayed_training_tracks_fp32():
@@ -295,16 +303,19 @@ def test_compiled_one_pass_recompiles_once_and_casts_without_waiting_for_the_ama
             assert casts > 0 and waiting == 0
 
 
-def test_compiled_one_pass_turns_an_inf_into_nan():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_one_pass_turns_an_inf_into_nan(backend):
     """Without the amax before the cast, the scale cannot turn NaN: the cast itself makes an
-    inf NaN (as the eager kernel does), never a saturated finite value."""
+    inf NaN (as the eager kernel does), never a saturated finite value; inductor too (the
+    cast writes that NaN as |inf - inf|, which it must not simplify away)."""
     config = delayed_config(delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True))
     layer = Float8Linear(K, N, bias=False, config=config)
     layer(torch.randn(M, K)).sum().backward()
     sync_float8_amax_and_scale_history(layer)
     x = torch.randn(M, K)
     x[3, 5] = float("inf")
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
     out = compiled(x)
     assert out[3].isnan().all() and torch.isfinite(out[:3]).all()
 
@@ -445,3 +456,139 @@ def test_on_the_gpu_a_non_finite_amax_is_reported_at_the_next_sync():
     with pytest.warns(UserWarning, match="non-finite amax in <root>:input in the previous step"):
         sync_float8_amax_and_scale_history(layer)
     assert torch.isfinite(layer.fp8_scale_input) and layer.fp8_scale_input > 0
+
+
+# ---------------------------------------------------------------- tied input scales
+
+
+class _Projections(nn.Module):
+    """Three delayed layers reading one input, as attention's q, k and v."""
+
+    def __init__(self, config: Float8LinearConfig) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (Float8Linear(K, N, bias=False, config=config) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * 2
+        return self.q(normed) + self.k(normed) + self.v(normed)
+
+
+def _train(module: nn.Module, steps: int = 3, fn=None) -> list[torch.Tensor]:  # noqa: ANN001
+    """Outputs and gradients of `steps` steps, each followed by the sync."""
+    torch.manual_seed(1)
+    results = []
+    for _ in range(steps):
+        x = torch.randn(M, K, requires_grad=True)
+        out = (module if fn is None else fn)(x)
+        out.square().sum().backward()
+        sync_float8_amax_and_scale_history(module)
+        results += [out.detach(), x.grad] + [p.grad.clone() for p in module.parameters()]
+        module.zero_grad()
+    return results
+
+
+def test_tied_input_scales_train_exactly_as_separate_ones():
+    """Tied, q, k and v scale their input from one state (q's): over steps and syncs every
+    output and gradient equals the untied layers', whose histories all hold the same amaxes;
+    the tied state is synced once (its history rolled once per step), and the other layers'
+    own input buffers stay unused."""
+    from fp8train import tie_delayed_input_scales
+
+    torch.manual_seed(0)
+    base = _Projections(delayed_config())
+    tied, separate = copy.deepcopy(base), copy.deepcopy(base)
+    tie_delayed_input_scales([tied.q, tied.k, tied.v])
+    for a, b in zip(_train(tied), _train(separate), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(tied.q.fp8_amax_history_input, separate.q.fp8_amax_history_input)
+    assert torch.equal(tied.q.fp8_scale_input, separate.v.fp8_scale_input)
+    assert (tied.q.fp8_amax_history_input[:3] > 0).all()
+    assert tied.q.fp8_amax_history_input[3] == 0  # three steps: rolled three times, not nine
+    assert not tied.k.fp8_amax_history_input.any() and not tied.v.fp8_initialized_input
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["separate", "tied"])
+def test_compiled_tied_layers_keep_one_float8_copy_of_their_input(tie):
+    """Compiled, delayed layers that read one input cast it once only when their scales are
+    one tensor: untied, backward keeps a float8 copy per layer (their scales are equal, but
+    the compiler cannot know); tied, the casts merge and backward keeps one, as with
+    dynamic scaling."""
+    from fp8train import tie_delayed_input_scales
+    from tests.test_compile import backward_inputs
+
+    module = _Projections(delayed_config(recompute_input_cast=False))
+    if tie:
+        tie_delayed_input_scales([module.q, module.k, module.v])
+    _train(module, steps=2)  # the scales are an earlier step's, as in a run
+    graph = backward_inputs(module, torch.randn(M, K, requires_grad=True))
+    assert [entry for entry in graph if entry[0] == E4M3] == [(E4M3, (M, K))] * (1 if tie else 3)
+
+
+def test_compiled_tied_layers_train_as_eager():
+    from fp8train import tie_delayed_input_scales
+
+    torch.manual_seed(0)
+    base = _Projections(delayed_config())
+    tie_delayed_input_scales([base.q, base.k, base.v])
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    torch._dynamo.reset()
+    fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    for a, b in zip(_train(eager), _train(compiled, fn=fn), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tying_refuses_what_it_cannot_tie():
+    from fp8train import tie_delayed_input_scales
+
+    delayed = Float8Linear(K, N, config=delayed_config())
+    with pytest.raises(ValueError, match="at least two layers"):
+        tie_delayed_input_scales([delayed])
+    with pytest.raises(TypeError, match="convert the model with convert_to_float8_training"):
+        tie_delayed_input_scales([delayed, nn.Linear(K, N)])
+    dynamic = Float8Linear(K, N, config=Float8LinearConfig(), fqn="layers.0.wk")
+    with pytest.raises(ValueError, match="'layers.0.wk' does not scale its input with delayed"):
+        tie_delayed_input_scales([delayed, dynamic])
+    history_8 = Float8Linear(
+        K, N, config=delayed_config(delayed_scaling_config=DelayedScalingConfig(history_len=8))
+    )
+    with pytest.raises(ValueError, match="different rules"):
+        tie_delayed_input_scales([delayed, history_8])
+    with pytest.raises(ValueError, match="in_features=32"):
+        tie_delayed_input_scales([delayed, Float8Linear(32, N, config=delayed_config())])
+
+
+def test_the_bundled_model_ties_its_shared_inputs():
+    """wq, wk and wv tie to wq, w3 to w1; wo and w2, which read inputs of their own, stay
+    untied; a dynamic model has nothing to tie."""
+    from fp8train.models import ModelArgs, Transformer, tie_shared_delayed_inputs
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=2, ffn_dim=128, vocab_size=64, max_seq_len=16)
+    model = convert_to_float8_training(Transformer(args), config=delayed_config())
+    tie_shared_delayed_inputs(model)
+    for block in model.layers:
+        attention, ffn = block.attention, block.feed_forward
+        assert attention.wk._fp8_state_sources == {"input": attention.wq}
+        assert attention.wv._fp8_state_sources == {"input": attention.wq}
+        assert ffn.w3._fp8_state_sources == {"input": ffn.w1}
+        for layer in (attention.wq, attention.wo, ffn.w1, ffn.w2):
+            assert layer._fp8_state_sources == {}
+    dynamic = convert_to_float8_training(Transformer(args))
+    tie_shared_delayed_inputs(dynamic)
+    assert all(not getattr(m, "_fp8_state_sources", {}) for m in dynamic.modules())
+
+
+def test_a_layer_tied_again_takes_the_layers_tied_to_it_along():
+    """Tying a layer that others are tied to moves them too: all read one state, synced once."""
+    from fp8train import tie_delayed_input_scales
+    from fp8train.config import Role
+    from fp8train.delayed import state_source
+
+    torch.manual_seed(0)
+    module = _Projections(delayed_config())
+    tie_delayed_input_scales([module.q, module.k])
+    tie_delayed_input_scales([module.v, module.q])
+    assert {state_source(layer, Role.INPUT) for layer in module.children()} == {module.v}
+    _train(module, steps=2)
+    assert (module.v.fp8_amax_history_input[:2] > 0).all()
+    assert module.v.fp8_amax_history_input[2] == 0  # two steps: rolled twice
+    assert not module.q.fp8_amax_history_input.any()
