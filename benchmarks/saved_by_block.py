@@ -32,7 +32,12 @@ from fp8train import (
     convert_to_float8_training,
 )
 from fp8train.config import ScalingGranularity
-from fp8train.models import ModelArgs, TransformerBlock, rotary_cos_sin
+from fp8train.models import (
+    ModelArgs,
+    TransformerBlock,
+    rotary_cos_sin,
+    tie_shared_delayed_inputs,
+)
 from fp8train.tensor import Float8Tensor
 
 CONFIGS = {
@@ -56,6 +61,11 @@ CONFIGS = {
         cast_config_weight=CastConfig(scaling_type="delayed"),
         cast_config_grad_output=CastConfig(scaling_type="delayed"),
         recompute_input_cast=True,
+    ),
+    "tensorwise delayed tied": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="delayed"),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        cast_config_grad_output=CastConfig(scaling_type="delayed"),
     ),
     "tensorwise delayed one-pass": Float8LinearConfig(
         cast_config_input=CastConfig(scaling_type="delayed"),
@@ -182,6 +192,8 @@ def main(args: argparse.Namespace) -> list[dict]:
         block = copy.deepcopy(base)
         if CONFIGS[name] is not None:
             convert_to_float8_training(block, config=CONFIGS[name])
+        if name.endswith(" tied"):  # wq/wk/wv and w1/w3 share one delayed input state
+            tie_shared_delayed_inputs(block)
         rows.append({"config": name, **describe(saved_by_backward(block, x, cos, sin), block)})
     print(markdown_table(rows))
     return rows

@@ -57,7 +57,12 @@ from fp8train import (
 )
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize
-from fp8train.models import ModelArgs, Transformer, use_float8_swiglu
+from fp8train.models import (
+    ModelArgs,
+    Transformer,
+    tie_shared_delayed_inputs,
+    use_float8_swiglu,
+)
 
 try:
     import torchao.float8 as torchao_float8
@@ -84,6 +89,8 @@ CONFIGS = (
     "tensorwise",
     "tensorwise-delayed",
     "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
+    "tensorwise-delayed-tied",  # wq/wk/wv and w1/w3 share one input state (one cast)
+    "tensorwise-delayed-one-pass-tied",
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
     "tensorwise-cast-kernels-no-input",  # the same for weights and gradients, not inputs
     "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
@@ -145,10 +152,11 @@ def convert(model: nn.Module, name: str) -> nn.Module:
             cast_config_input=delayed,
             cast_config_weight=delayed,
             cast_config_grad_output=delayed,
-            delayed_scaling_config=DelayedScalingConfig(
-                compiled_one_pass=name.endswith("one-pass")
-            ),
+            delayed_scaling_config=DelayedScalingConfig(compiled_one_pass="-one-pass" in name),
         )
+        if name.endswith("-tied"):
+            model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
+            return tie_shared_delayed_inputs(model)
     elif name == "tensorwise-cast-kernels":
         config = Float8LinearConfig(compiled_cast_kernels=True)
     elif name == "tensorwise-cast-kernels-no-input":

@@ -32,6 +32,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
         "tensorwise",
         "tensorwise-delayed",
         "tensorwise-delayed-one-pass",
+        "tensorwise-delayed-tied",
         "tensorwise-cast-kernels",
         "tensorwise-cast-kernels-no-input",
         "tensorwise-keep-hp-input",
@@ -44,6 +45,9 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
         assert len(row["losses"]) == 8 and all(0 < loss < 10 for loss in row["losses"])
         # float8 and fp32 start from the same weights and batches: the same first loss
         assert row["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.02)
+    # Tied input scales change no number (eager mode shares the input's cast either way).
+    by_name = {row["config"]: row for row in rows}
+    assert by_name["tensorwise-delayed-tied"]["losses"] == by_name["tensorwise-delayed"]["losses"]
     assert plot.stat().st_size > 0
     assert json.loads((tmp_path / "runs.json").read_text())["runs"][1]["config"] == "tensorwise"
     table = capsys.readouterr().out
