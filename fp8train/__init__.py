@@ -25,6 +25,7 @@ from fp8train.config import (
 )
 from fp8train.convert import convert_to_float8_training
 from fp8train.delayed import (
+    find_shared_inputs,
     strip_float8_state,
     sync_float8_amax_and_scale_history,
     tie_delayed_input_scales,
@@ -54,6 +55,7 @@ __all__ = [
     "auto_filter",
     "sync_float8_amax_and_scale_history",
     "tie_delayed_input_scales",
+    "find_shared_inputs",
     "strip_float8_state",
     "precompute_float8_dynamic_scale_for_fsdp",
     "cast_weights_once",

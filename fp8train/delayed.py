@@ -108,7 +108,8 @@ def tie_delayed_input_scales(layers: Sequence[nn.Module]) -> None:
     as with dynamic scaling; untied, each layer keeps its own. Eager mode shares such casts
     either way. Call it after `convert_to_float8_training` and before compiling; the other
     layers' own input buffers stay in their state_dict, unused while the tie lasts.
-    `fp8train.models.tie_shared_delayed_inputs` ties the layers of the bundled model."""
+    `find_shared_inputs(model, example_batch)` finds such groups in any model;
+    `fp8train.models.tie_shared_delayed_inputs` ties those of the bundled model."""
     from fp8train.linear import Float8Linear
 
     layers = list(layers)
@@ -143,6 +144,44 @@ def tie_delayed_input_scales(layers: Sequence[nn.Module]) -> None:
     for layer in layers:
         if layer is not source:
             layer._fp8_state_sources[Role.INPUT.value] = source
+
+
+def find_shared_inputs(model: nn.Module, *args: object, **kwargs: object) -> list[list[nn.Module]]:
+    """The groups of Float8Linear layers of `model` that read one input tensor, found by
+    running `model(*args, **kwargs)` once without gradients (an example batch; any size the
+    model takes): attention's q, k and v projections, the gate and up projections, in the
+    order they ran. Each group has two or more layers; pass it to `tie_delayed_input_scales`.
+    The run leaves no trace: the layers' delayed-scaling state is restored after it."""
+    from fp8train.linear import Float8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    saved = [
+        (layer, {name: getattr(layer, name).clone() for name in buffer_names(layer.config)})
+        for layer in layers
+    ]
+    ready = [(layer, set(layer._fp8_ready_roles)) for layer in layers]
+    readers: dict[int, list[nn.Module]] = {}
+    inputs: list[torch.Tensor] = []  # alive until the end, so that no id is reused
+
+    def record(module: nn.Module, args: tuple) -> None:
+        inputs.append(args[0])
+        readers.setdefault(id(args[0]), []).append(module)
+
+    hooks = [layer.register_forward_pre_hook(record) for layer in layers]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        with torch.no_grad():
+            for layer, buffers in saved:
+                for name, value in buffers.items():
+                    getattr(layer, name).copy_(value)
+        for layer, roles in ready:
+            layer._fp8_ready_roles.clear()
+            layer._fp8_ready_roles.update(roles)
+    return [group for group in readers.values() if len(group) > 1]
 
 
 def _input_state_rules(config: Float8LinearConfig) -> tuple:

@@ -592,3 +592,21 @@ def test_a_layer_tied_again_takes_the_layers_tied_to_it_along():
     assert (module.v.fp8_amax_history_input[:2] > 0).all()
     assert module.v.fp8_amax_history_input[2] == 0  # two steps: rolled twice
     assert not module.q.fp8_amax_history_input.any()
+
+
+def test_find_shared_inputs_groups_the_layers_that_read_one_tensor_and_leaves_no_trace():
+    from fp8train import find_shared_inputs
+    from fp8train.models import ModelArgs, Transformer
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=2, ffn_dim=128, vocab_size=64, max_seq_len=16)
+    model = convert_to_float8_training(Transformer(args), config=delayed_config())
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    groups = find_shared_inputs(model, torch.randint(0, 64, (2, 16)))
+    assert [[layer.fqn for layer in group] for group in groups] == [
+        [f"layers.{i}.{name}" for name in names]
+        for i in range(2)
+        for names in (("attention.wq", "attention.wk", "attention.wv"),
+                      ("feed_forward.w1", "feed_forward.w3"))
+    ]  # fmt: skip
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name

@@ -86,3 +86,42 @@ def test_llama_for_causal_lm_trains_with_compiled_decoder_layers(device, backend
     q_compiled = model.model.layers[0].self_attn.q_proj.weight
     q_eager = eager.model.layers[0].self_attn.q_proj.weight
     assert compute_error(q_eager.float(), q_compiled.float()) > 30
+
+
+def test_shared_inputs_of_a_llama_for_causal_lm_are_found_and_tied():
+    """find_shared_inputs on the Hugging Face model: q, k and v (grouped-query: k and v are
+    narrower) and gate and up in each decoder layer; tied, the model trains."""
+    from fp8train import (
+        CastConfig,
+        Float8LinearConfig,
+        find_shared_inputs,
+        sync_float8_amax_and_scale_history,
+        tie_delayed_input_scales,
+    )
+
+    delayed = CastConfig(scaling_type="delayed")
+    config = Float8LinearConfig(
+        cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+    )
+    model = convert_to_float8_training(
+        tiny_llama(), config=config, module_filter_fn=lambda module, fqn: fqn != "lm_head"
+    )
+    tokens = torch.randint(0, 256, (4, 32))
+    groups = find_shared_inputs(model, input_ids=tokens)
+    assert [[layer.fqn.rsplit(".", 1)[-1] for layer in group] for group in groups] == [
+        ["q_proj", "k_proj", "v_proj"],
+        ["gate_proj", "up_proj"],
+    ] * 2
+    for group in groups:
+        tie_delayed_input_scales(group)
+
+    losses = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        value = model(input_ids=tokens, labels=tokens).loss
+        value.backward()
+        sync_float8_amax_and_scale_history(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(value.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
