@@ -163,11 +163,14 @@ def find_shared_inputs(model: nn.Module, *args: object, **kwargs: object) -> lis
     readers: dict[int, list[nn.Module]] = {}
     inputs: list[torch.Tensor] = []  # alive until the end, so that no id is reused
 
-    def record(module: nn.Module, args: tuple) -> None:
-        inputs.append(args[0])
-        readers.setdefault(id(args[0]), []).append(module)
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs["input"]
+        inputs.append(x)
+        group = readers.setdefault(id(x), [])
+        if all(module is not other for other in group):  # a layer called twice on it: once
+            group.append(module)
 
-    hooks = [layer.register_forward_pre_hook(record) for layer in layers]
+    hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
     try:
         with torch.no_grad():
             model(*args, **kwargs)
