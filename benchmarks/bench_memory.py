@@ -13,7 +13,9 @@ keeps by default); "keep-weight" keeps the float8 weight; "keep-hp-input" the hp
 as "fp8 default"; compiled, the casts are fp8train's triton ops); "float8-swiglu" is the
 default policy with the llama blocks' SwiGLU keeping its two inputs in float8
 (fp8train.float8_swiglu; in the linear cases the same as "fp8 default"), and
-"float8-swiglu-exact" the same with SwiGLU's output computed from its high-precision inputs.
+"float8-swiglu-exact" the same with SwiGLU's output computed from its high-precision inputs;
+"delayed" is delayed scaling of every role, "delayed tied" the same with the layers that read
+one input tied to one input state (fp8train.tie_delayed_input_scales).
 
 Cases:
     linear-4096    10 x Linear(4096, 4096, bias=False), batch 4096: float8_experimental's case
@@ -60,8 +62,14 @@ from benchmarks.memory_trace import (
     storage_bytes,
 )
 from benchmarks.utils import markdown_table, print_environment, write_csv
-from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from fp8train.models import ModelArgs, Transformer, TransformerBlock, use_float8_swiglu
+from fp8train import CastConfig, Float8Linear, Float8LinearConfig, convert_to_float8_training
+from fp8train.models import (
+    ModelArgs,
+    Transformer,
+    TransformerBlock,
+    tie_shared_delayed_inputs,
+    use_float8_swiglu,
+)
 
 try:
     import torchao.float8 as torchao_float8
@@ -89,6 +97,18 @@ FP8_CONFIGS: dict[str, Float8LinearConfig] = {
     "fp8 float8-swiglu": Float8LinearConfig(),
     # The same, SwiGLU's output computed from its bf16 inputs (float8 w2 keeps its own input).
     "fp8 float8-swiglu-exact": Float8LinearConfig(),
+    # Delayed scaling of every role; "tied": the layers that read one input share its state
+    # (fp8train.models.tie_shared_delayed_inputs; llama only, the linear cases share none).
+    "fp8 delayed": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="delayed"),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        cast_config_grad_output=CastConfig(scaling_type="delayed"),
+    ),
+    "fp8 delayed tied": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="delayed"),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        cast_config_grad_output=CastConfig(scaling_type="delayed"),
+    ),
 }
 
 
@@ -144,9 +164,10 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return torchao_float8.convert_to_float8_training(model, module_filter_fn=_skip_output_layer)
     if name.startswith("fp8 float8-swiglu"):
         use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
-    return convert_to_float8_training(
+    model = convert_to_float8_training(
         model, config=FP8_CONFIGS[name], module_filter_fn=_skip_output_layer
     )
+    return tie_shared_delayed_inputs(model) if name.endswith(" tied") else model
 
 
 def compile_units(model: nn.Module, unit: type[nn.Module]) -> None:
