@@ -288,6 +288,65 @@ def test_delayed_scaling_under_fsdp2_syncs_one_global_amax(tmp_path):
     assert torch.equal(results[0]["buffers"]["0.fp8_amax_history_input"][:3], expected)
 
 
+class _Projections(nn.Module):
+    """q, k and v of one input, summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(64, 32, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * 2
+        return self.q(normed) + self.k(normed) + self.v(normed)
+
+
+def _tied_worker(rank: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8train import CastConfig, sync_float8_amax_and_scale_history, tie_delayed_input_scales
+
+    delayed = CastConfig(scaling_type="delayed")
+    config = Float8LinearConfig(
+        cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+    )
+    results = {}
+    for tie in (False, True):
+        torch.manual_seed(0)
+        model = convert_to_float8_training(_Projections(), config=config)
+        if tie:
+            tie_delayed_input_scales([model.q, model.k, model.v])
+        fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1 + rank)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(16, 64) * (1 + rank)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sync_float8_amax_and_scale_history(model)
+            losses.append(loss.detach())
+        weights = [p.full_tensor() for p in model.parameters()]
+        results[tie] = (losses, weights, model.q.fp8_amax_history_input.clone())
+    torch.save(results, f"{out_dir}/{rank}.pt")
+
+
+def test_tied_delayed_inputs_under_fsdp2_train_as_untied_ones(tmp_path):
+    """Under FSDP2, with one all-reduced sync: q, k and v tied to one input state give every
+    rank the same losses and weights as untied layers, and the tied state holds the global
+    amax history."""
+    spawn(_tied_worker, str(tmp_path))
+    for rank in range(WORLD_SIZE):
+        result = torch.load(tmp_path / f"{rank}.pt")
+        (untied_losses, untied_weights, untied_history) = result[False]
+        (tied_losses, tied_weights, tied_history) = result[True]
+        assert torch.equal(torch.stack(tied_losses), torch.stack(untied_losses))
+        for tied, untied in zip(tied_weights, untied_weights, strict=True):
+            assert torch.equal(tied, untied)
+        assert torch.equal(tied_history, untied_history) and (tied_history[:3] > 0).all()
+
+
 def _compiled_worker(rank: int, out_dir: str, compiled: bool) -> None:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
