@@ -154,9 +154,6 @@ def convert(model: nn.Module, name: str) -> nn.Module:
             cast_config_grad_output=delayed,
             delayed_scaling_config=DelayedScalingConfig(compiled_one_pass="-one-pass" in name),
         )
-        if name.endswith("-tied"):
-            model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
-            return tie_shared_delayed_inputs(model)
     elif name == "tensorwise-cast-kernels":
         config = Float8LinearConfig(compiled_cast_kernels=True)
     elif name == "tensorwise-cast-kernels-no-input":
@@ -168,7 +165,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
     else:
         config = Float8LinearConfig.from_recipe_name(name)
-    return convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
+    model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
+    return tie_shared_delayed_inputs(model) if name.endswith("-tied") else model
 
 
 class Checkpointed(nn.Module):
