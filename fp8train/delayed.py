@@ -152,8 +152,15 @@ def find_shared_inputs(model: nn.Module, *args: object, **kwargs: object) -> lis
     model takes): attention's q, k and v projections, the gate and up projections, in the
     order they ran. Each group has two or more layers; pass it to `tie_delayed_input_scales`.
     The run leaves no trace: the layers' delayed-scaling state is restored after it."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
     from fp8train.linear import Float8Linear
 
+    if any(isinstance(m, OptimizedModule) for m in model.modules()):
+        raise ValueError(
+            "find_shared_inputs got a model with torch.compile'd parts, whose layers it cannot "
+            "watch: call it (and tie_delayed_input_scales) before compiling"
+        )
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
     saved = [
         (layer, {name: getattr(layer, name).clone() for name in buffer_names(layer.config)})

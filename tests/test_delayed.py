@@ -610,3 +610,6 @@ def test_find_shared_inputs_groups_the_layers_that_read_one_tensor_and_leaves_no
     ]  # fmt: skip
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, before[name]), name
+    model.layers[0] = torch.compile(model.layers[0])
+    with pytest.raises(ValueError, match="before compiling"):
+        find_shared_inputs(model, torch.randint(0, 64, (2, 16)))
