@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from benchmarks.utils import markdown_table, print_environment, write_csv
+from benchmarks.utils import delayed_config, markdown_table, print_environment, write_csv
 from fp8train import (
-    CastConfig,
     Float8LinearConfig,
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
@@ -51,17 +50,8 @@ CONFIGS: dict[str, Float8LinearConfig | None] = {
     "fp8 recompute-weight": Float8LinearConfig(),
     "fp8 float8-all-gather": Float8LinearConfig(enable_fsdp_float8_all_gather=True),
     "fp8 all-gather+precompute": Float8LinearConfig(enable_fsdp_float8_all_gather=True),
-    "fp8 delayed": Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="delayed"),
-        cast_config_weight=CastConfig(scaling_type="delayed"),
-        cast_config_grad_output=CastConfig(scaling_type="delayed"),
-    ),
-    "fp8 delayed float8-all-gather": Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="delayed"),
-        cast_config_weight=CastConfig(scaling_type="delayed"),
-        cast_config_grad_output=CastConfig(scaling_type="delayed"),
-        enable_fsdp_float8_all_gather=True,
-    ),
+    "fp8 delayed": delayed_config(),
+    "fp8 delayed float8-all-gather": delayed_config(enable_fsdp_float8_all_gather=True),
 }
 
 

@@ -45,6 +45,7 @@ from torch import nn
 
 import fp8train.kernels.cast
 from benchmarks.utils import (
+    delayed_config,
     device_time_s,
     fp8_peak_tflops,
     markdown_table,
@@ -53,7 +54,6 @@ from benchmarks.utils import (
     write_csv,
 )
 from fp8train import (
-    CastConfig,
     DelayedScalingConfig,
     Float8Linear,
     Float8LinearConfig,
@@ -163,12 +163,8 @@ def bench_shape(
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
     if scaling.startswith("delayed"):
-        delayed = CastConfig(scaling_type="delayed")
         one_pass = scaling == "delayed-one-pass"
-        config = Float8LinearConfig(
-            cast_config_input=delayed,
-            cast_config_weight=delayed,
-            cast_config_grad_output=delayed,
+        config = delayed_config(
             recompute_weight_cast=recompute,
             delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=one_pass),
         )

@@ -61,8 +61,8 @@ from benchmarks.memory_trace import (
     print_peak,
     storage_bytes,
 )
-from benchmarks.utils import markdown_table, print_environment, write_csv
-from fp8train import CastConfig, Float8Linear, Float8LinearConfig, convert_to_float8_training
+from benchmarks.utils import delayed_config, markdown_table, print_environment, write_csv
+from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.models import (
     ModelArgs,
     Transformer,
@@ -99,16 +99,8 @@ FP8_CONFIGS: dict[str, Float8LinearConfig] = {
     "fp8 float8-swiglu-exact": Float8LinearConfig(),
     # Delayed scaling of every role; "tied": the layers that read one input share its state
     # (fp8train.models.tie_shared_delayed_inputs; llama only, the linear cases share none).
-    "fp8 delayed": Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="delayed"),
-        cast_config_weight=CastConfig(scaling_type="delayed"),
-        cast_config_grad_output=CastConfig(scaling_type="delayed"),
-    ),
-    "fp8 delayed tied": Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="delayed"),
-        cast_config_weight=CastConfig(scaling_type="delayed"),
-        cast_config_grad_output=CastConfig(scaling_type="delayed"),
-    ),
+    "fp8 delayed": delayed_config(),
+    "fp8 delayed tied": delayed_config(),
 }
 
 

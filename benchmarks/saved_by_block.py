@@ -24,9 +24,8 @@ import torch
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 import fp8train.cast
-from benchmarks.utils import markdown_table, print_environment
+from benchmarks.utils import delayed_config, markdown_table, print_environment
 from fp8train import (
-    CastConfig,
     DelayedScalingConfig,
     Float8LinearConfig,
     convert_to_float8_training,
@@ -51,27 +50,11 @@ CONFIGS = {
     "tensorwise cast-kernels weight grad_output": Float8LinearConfig(
         compiled_cast_kernels=("weight", "grad_output")
     ),
-    "tensorwise delayed": Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="delayed"),
-        cast_config_weight=CastConfig(scaling_type="delayed"),
-        cast_config_grad_output=CastConfig(scaling_type="delayed"),
-    ),
-    "tensorwise delayed keep-hp-input": Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="delayed"),
-        cast_config_weight=CastConfig(scaling_type="delayed"),
-        cast_config_grad_output=CastConfig(scaling_type="delayed"),
-        recompute_input_cast=True,
-    ),
-    "tensorwise delayed tied": Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="delayed"),
-        cast_config_weight=CastConfig(scaling_type="delayed"),
-        cast_config_grad_output=CastConfig(scaling_type="delayed"),
-    ),
-    "tensorwise delayed one-pass": Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="delayed"),
-        cast_config_weight=CastConfig(scaling_type="delayed"),
-        cast_config_grad_output=CastConfig(scaling_type="delayed"),
-        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True),
+    "tensorwise delayed": delayed_config(),
+    "tensorwise delayed keep-hp-input": delayed_config(recompute_input_cast=True),
+    "tensorwise delayed tied": delayed_config(),
+    "tensorwise delayed one-pass": delayed_config(
+        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True)
     ),
 }
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import fp8train
+from fp8train import CastConfig, Float8LinearConfig
 
 
 def environment() -> dict[str, str]:
@@ -131,3 +132,14 @@ def fp8_peak_tflops(device: torch.device | str, given: float | None = None) -> f
         return given
     name = torch.cuda.get_device_name()
     return 1979.0 if ("H100" in name or "H200" in name) else None
+
+
+def delayed_config(**kwargs: object) -> Float8LinearConfig:
+    """Delayed scaling for the input, the weight and grad_output; other fields from kwargs."""
+    delayed = CastConfig(scaling_type="delayed")
+    return Float8LinearConfig(
+        cast_config_input=delayed,
+        cast_config_weight=delayed,
+        cast_config_grad_output=delayed,
+        **kwargs,
+    )
