@@ -6,7 +6,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fp8train import CastConfig, Float8LinearConfig
+from fp8train import CastConfig, Float8Linear, Float8LinearConfig
 
 
 def _float8_gpu_reason() -> str | None:
@@ -84,3 +84,22 @@ def train_losses(loss_fn, parameters, steps: int = 8, lr: float = 3e-3) -> list[
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+class Projections(torch.nn.Module):
+    """Attention's q, k and v projections of one normed input (made in forward), summed:
+    Float8Linear layers with `config`, or nn.Linear ones to convert where it is None."""
+
+    def __init__(self, k: int, n: int, config: Float8LinearConfig | None = None) -> None:
+        super().__init__()
+        layers = (
+            torch.nn.Linear(k, n, bias=False)
+            if config is None
+            else Float8Linear(k, n, bias=False, config=config)
+            for _ in range(3)
+        )
+        self.q, self.k, self.v = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * 2
+        return self.q(normed) + self.k(normed) + self.v(normed)

@@ -28,7 +28,7 @@ from benchmarks.saved_by_block import saved_by_backward
 from fp8train import Float8Linear, Float8LinearConfig, compute_error, convert_to_float8_training
 from fp8train.kernels import HAS_TRITON
 from fp8train.models import ModelArgs, Transformer
-from tests.conftest import DEVICES, FLOAT8_GPU_REASON, all_roles_config
+from tests.conftest import DEVICES, FLOAT8_GPU_REASON, Projections, all_roles_config
 
 M, K, N = 64, 96, 48
 E4M3 = torch.float8_e4m3fn
@@ -335,24 +335,12 @@ def test_default_input_policy_keeps_the_float8_input_of_a_layer_alone():
     assert float8_of(graph, (M, K)) and (torch.float32, (M, K)) not in graph
 
 
-class _Projections(torch.nn.Module):
-    """Attention's q, k and v projections of one normed input."""
-
-    def __init__(self, config: Float8LinearConfig) -> None:
-        super().__init__()
-        self.q, self.k, self.v = (Float8Linear(K, N, bias=False, config=config) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x * 2
-        return self.q(normed) + self.k(normed) + self.v(normed)
-
-
 @pytest.mark.parametrize("recompute_input_cast", [None, False], ids=["default", "keep-fp8-input"])
 def test_compiled_layers_reading_one_input_keep_one_float8_copy(recompute_input_cast):
     """The partitioner's CSE merges the three identical casts of the shared input (it compares
     op arguments with ==, so the casts must hold no NaN constant): backward gets one float8
     copy of it and one scale, not three (and one scale per weight, for its recast)."""
-    module = _Projections(Float8LinearConfig(recompute_input_cast=recompute_input_cast))
+    module = Projections(K, N, Float8LinearConfig(recompute_input_cast=recompute_input_cast))
     graph = backward_inputs(module, torch.randn(M, K, requires_grad=True))
     assert [entry for entry in graph if entry[0] == E4M3] == [(E4M3, (M, K))]
     assert graph.count((torch.float32, ())) == 1 + 3

@@ -20,7 +20,7 @@ from fp8train import (
     to_float8,
 )
 from fp8train.config import E4M3, E5M2
-from tests.conftest import FLOAT8_GPU_REASON
+from tests.conftest import FLOAT8_GPU_REASON, Projections
 
 M, K, N = 32, 64, 48
 DELAYED = CastConfig(scaling_type="delayed")
@@ -461,18 +461,6 @@ def test_on_the_gpu_a_non_finite_amax_is_reported_at_the_next_sync():
 # ---------------------------------------------------------------- tied input scales
 
 
-class _Projections(nn.Module):
-    """Three delayed layers reading one input, as attention's q, k and v."""
-
-    def __init__(self, config: Float8LinearConfig) -> None:
-        super().__init__()
-        self.q, self.k, self.v = (Float8Linear(K, N, bias=False, config=config) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x * 2
-        return self.q(normed) + self.k(normed) + self.v(normed)
-
-
 def _train(module: nn.Module, steps: int = 3, fn=None) -> list[torch.Tensor]:  # noqa: ANN001
     """Outputs and gradients of `steps` steps, each followed by the sync."""
     torch.manual_seed(1)
@@ -495,7 +483,7 @@ def test_tied_input_scales_train_exactly_as_separate_ones():
     from fp8train import tie_delayed_input_scales
 
     torch.manual_seed(0)
-    base = _Projections(delayed_config())
+    base = Projections(K, N, delayed_config())
     tied, separate = copy.deepcopy(base), copy.deepcopy(base)
     tie_delayed_input_scales([tied.q, tied.k, tied.v])
     for a, b in zip(_train(tied), _train(separate), strict=True):
@@ -516,7 +504,7 @@ def test_compiled_tied_layers_keep_one_float8_copy_of_their_input(tie):
     from fp8train import tie_delayed_input_scales
     from tests.test_compile import backward_inputs
 
-    module = _Projections(delayed_config(recompute_input_cast=False))
+    module = Projections(K, N, delayed_config(recompute_input_cast=False))
     if tie:
         tie_delayed_input_scales([module.q, module.k, module.v])
     _train(module, steps=2)  # the scales are an earlier step's, as in a run
@@ -528,7 +516,7 @@ def test_compiled_tied_layers_train_as_eager():
     from fp8train import tie_delayed_input_scales
 
     torch.manual_seed(0)
-    base = _Projections(delayed_config())
+    base = Projections(K, N, delayed_config())
     tie_delayed_input_scales([base.q, base.k, base.v])
     eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
     torch._dynamo.reset()
@@ -584,7 +572,7 @@ def test_a_layer_tied_again_takes_the_layers_tied_to_it_along():
     from fp8train.delayed import state_source
 
     torch.manual_seed(0)
-    module = _Projections(delayed_config())
+    module = Projections(K, N, delayed_config())
     tie_delayed_input_scales([module.q, module.k])
     tie_delayed_input_scales([module.v, module.q])
     assert {state_source(layer, Role.INPUT) for layer in module.children()} == {module.v}

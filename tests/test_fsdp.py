@@ -12,6 +12,7 @@ from fp8train.distributed import (
     WeightWithFloat8CastTensor,
     precompute_float8_dynamic_scale_for_fsdp,
 )
+from tests.conftest import Projections
 from tests.distributed import WORLD_SIZE, spawn
 
 STEPS = 5
@@ -288,18 +289,6 @@ def test_delayed_scaling_under_fsdp2_syncs_one_global_amax(tmp_path):
     assert torch.equal(results[0]["buffers"]["0.fp8_amax_history_input"][:3], expected)
 
 
-class _Projections(nn.Module):
-    """q, k and v of one input, summed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.k, self.v = (nn.Linear(64, 32, bias=False) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x * 2
-        return self.q(normed) + self.k(normed) + self.v(normed)
-
-
 def _tied_worker(rank: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -313,7 +302,7 @@ def _tied_worker(rank: int, out_dir: str) -> None:
     results = {}
     for tie in (False, True):
         torch.manual_seed(0)
-        model = convert_to_float8_training(_Projections(), config=config)
+        model = convert_to_float8_training(Projections(64, 32), config=config)
         if tie:
             tie_delayed_input_scales([model.q, model.k, model.v])
         fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
