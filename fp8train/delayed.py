@@ -166,7 +166,6 @@ def find_shared_inputs(model: nn.Module, *args: object, **kwargs: object) -> lis
         (layer, {name: getattr(layer, name).clone() for name in buffer_names(layer.config)})
         for layer in layers
     ]
-    ready = [(layer, set(layer._fp8_ready_roles)) for layer in layers]
     readers: dict[int, list[nn.Module]] = {}
     inputs: list[torch.Tensor] = []  # alive until the end, so that no id is reused
 
@@ -188,9 +187,6 @@ def find_shared_inputs(model: nn.Module, *args: object, **kwargs: object) -> lis
             for layer, buffers in saved:
                 for name, value in buffers.items():
                     getattr(layer, name).copy_(value)
-        for layer, roles in ready:
-            layer._fp8_ready_roles.clear()
-            layer._fp8_ready_roles.update(roles)
     return [group for group in readers.values() if len(group) > 1]
 
 
