@@ -18,6 +18,11 @@ times with dynamo's counters (frames, graph breaks).
                                                  # is allocated at its peak, by line and phase
                                                  # (CONFIGS=bf16,tensorwise, LAYERS=6); without
                                                  # a GPU, its peak at 1/8 scale on the CPU
+    python -m benchmarks.profile_steps time      # the end-to-end model's training step
+                                                 # (LAYERS=6, compiled blocks, AdamW): GPU
+                                                 # time by kind of kernel (gemms, attention,
+                                                 # casts, ...) per config (CONFIGS, default
+                                                 # bf16,tensorwise), against the first config
     python -m benchmarks.profile_steps demo      # the demo's CUDA model (8 layers, dim 1024),
                                                  # bf16 and float8, eager and compiled
     ONLY=1 python -m benchmarks.profile_steps demo   # float8 compiled only
@@ -224,6 +229,90 @@ def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
     return before + memory.peak
 
 
+KERNEL_KINDS = (
+    # (kind, substrings of a kernel's name), first match wins; names as CUDA 12-13 and
+    # torch 2.11+ give them on Hopper.
+    ("float8 gemm", ("e4m3", "e5m2", "f8f8", "_fp8", "fp8_")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("fp8train cast kernels", ("_cast_kernel", "_amax_partials_kernel")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel")),
+    ("inductor reduction", ("triton_red", "triton_per")),
+    ("inductor pointwise", ("triton_poi",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel, from its name (KERNEL_KINDS), "other" if none matches."""
+    lower = name.lower()
+    for kind, parts in KERNEL_KINDS:
+        if any(part in lower for part in parts):
+            return kind
+    return "other"
+
+
+def time_part():
+    """Where a training step of the end-to-end model spends its GPU time, per config: kernel
+    time by kind, with the float8 gemms told apart by the op that launched them
+    (aten::_scaled_mm), and the step's wall time. The difference between two configs' rows
+    is what float8 wins and what it costs, kind by kind."""
+    layers = int(os.environ.get("LAYERS", "6"))
+    a = llama_args(layers)
+    torch.manual_seed(0)
+    base = Transformer(a)
+    tokens = torch.randint(0, a.vocab_size, (2, a.max_seq_len), device="cuda")
+    table: dict[str, dict[str, float]] = {}
+    for name in os.environ.get("CONFIGS", "bf16,tensorwise").split(","):
+        table[name] = _time_by_kind(name, base, tokens)
+        torch.cuda.empty_cache()
+    names = list(table)
+    kinds = sorted(
+        {k for row in table.values() for k in row}, key=lambda k: -table[names[0]].get(k, 0)
+    )
+    print("\n| ms per step | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for kind in kinds:
+        print(f"| {kind} | " + " | ".join(f"{table[n].get(kind, 0.0):.2f}" for n in names) + " |")
+
+
+def _time_by_kind(name: str, base: nn.Module, tokens: torch.Tensor) -> dict[str, float]:
+    """ms per training step of config `name`: wall time, and kernel time by kind."""
+    model = _compiled_blocks(base, name, tokens.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        lm_loss(model, tokens, tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    row = {"wall": (time.perf_counter() - start) / 5 * 1e3}
+    steps = 2
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    for event in p.key_averages():
+        if event.key == "aten::_scaled_mm":
+            row["aten::_scaled_mm (all its kernels)"] = event.device_time_total / steps / 1e3
+        if event.self_device_time_total <= 0:
+            continue
+        ms = event.self_device_time_total / steps / 1e3
+        kind = kernel_kind(event.key)
+        row[kind] = row.get(kind, 0.0) + ms
+        row["all kernels"] = row.get("all kernels", 0.0) + ms
+    print(f"##### time {name}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()))
+    top(step, n=25, steps=1)
+    return row
+
+
 def demo_part():
     a = ModelArgs(dim=1024, n_layers=8, ffn_dim=llama_ffn_dim(1024), n_heads=16, max_seq_len=1024)
     torch.manual_seed(0)
@@ -274,8 +363,12 @@ if __name__ == "__main__":
     parts = sys.argv[1:] or ["layer", "demo"]  # blocks only when asked for
     for part in parts:
         try:
-            {"layer": layer_part, "demo": demo_part, "blocks": blocks_part, "peak": peak_part}[
-                part
-            ]()
+            {
+                "layer": layer_part,
+                "demo": demo_part,
+                "blocks": blocks_part,
+                "peak": peak_part,
+                "time": time_part,
+            }[part]()
         except Exception:
             traceback.print_exc()

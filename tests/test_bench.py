@@ -321,6 +321,25 @@ def test_profile_steps_peak_compares_the_configs_on_the_cpu(capsys, monkeypatch)
     assert "- bf16: " in out and "1.000x" in out
 
 
+def test_profile_steps_tells_the_kernels_of_a_training_step_apart():
+    """The time part's kinds, on kernel names as CUDA and inductor give them on Hopper."""
+    from benchmarks.profile_steps import kernel_kind
+
+    names = {
+        "sm90_xmma_gemm_e4m3e4m3_bf16_f32_tn_n_tilesize128x128x128": "float8 gemm",
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN": "gemm",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd>": "attention",
+        "triton_red_fused__to_copy_abs_amax_0": "inductor reduction",
+        "triton_per_fused_add_mean_mul_pow_rsqrt_1": "inductor reduction",
+        "triton_poi_fused__to_copy_clamp_mul_2": "inductor pointwise",
+        "_cast_kernel": "fp8train cast kernels",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>":
+            "optimizer",
+        "void at::native::elementwise_kernel<128, 2>": "other",
+    }  # fmt: skip
+    assert {name: kernel_kind(name) for name in names} == names
+
+
 def test_offline_kernel_check_without_triton_says_what_to_install(monkeypatch):
     """Where Triton is missing (the CPU wheels of torch), the offline kernel check stops with
     the install command instead of an ImportError from deep inside."""

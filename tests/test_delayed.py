@@ -303,16 +303,22 @@ def test_compiled_one_pass_recompiles_once_and_casts_without_waiting_for_the_ama
             assert casts > 0 and waiting == 0
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON)))],
+)  # fmt: skip
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_one_pass_turns_an_inf_into_nan(backend):
+def test_compiled_one_pass_turns_an_inf_into_nan(backend, device):
     """Without the amax before the cast, the scale cannot turn NaN: the cast itself makes an
-    inf NaN (as the eager kernel does), never a saturated finite value; inductor too (the
-    cast writes that NaN as |inf - inf|, which it must not simplify away)."""
+    inf NaN (as the eager kernel does), never a saturated finite value; inductor too, on the
+    CPU and in Triton (the cast writes that NaN as |inf - inf|, which it must not simplify
+    away)."""
     config = delayed_config(delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True))
-    layer = Float8Linear(K, N, bias=False, config=config)
-    layer(torch.randn(M, K)).sum().backward()
+    layer = Float8Linear(K, N, bias=False, config=config).to(device)
+    layer(torch.randn(M, K, device=device)).sum().backward()
     sync_float8_amax_and_scale_history(layer)
-    x = torch.randn(M, K)
+    x = torch.randn(M, K, device=device)
     x[3, 5] = float("inf")
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend=backend, fullgraph=True)
