@@ -39,6 +39,7 @@ import traceback
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_linear import LLAMA_70B_SHAPES
@@ -233,10 +234,10 @@ KERNEL_KINDS = (
     # (kind, substrings of a kernel's name), first match wins; names as CUDA 12-13 and
     # torch 2.11+ give them on Hopper.
     ("float8 gemm", ("e4m3", "e5m2", "f8f8", "_fp8", "fp8_")),
-    ("attention", ("flash", "fmha", "attention")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
     ("fp8train cast kernels", ("_cast_kernel", "_amax_partials_kernel")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel")),
+    ("optimizer and grad clip", ("adam", "multi_tensor", "foreach", "norm_kernel")),
     ("inductor reduction", ("triton_red", "triton_per")),
     ("inductor pointwise", ("triton_poi",)),
 )
@@ -302,7 +303,9 @@ def _time_by_kind(name: str, base: nn.Module, tokens: torch.Tensor) -> dict[str,
     for event in p.key_averages():
         if event.key == "aten::_scaled_mm":
             row["aten::_scaled_mm (all its kernels)"] = event.device_time_total / steps / 1e3
-        if event.self_device_time_total <= 0:
+        # Kernels only: the host's events (ops, and inductor's launches, named as their
+        # kernels) carry their kernels' time again.
+        if event.device_type != DeviceType.CUDA or event.self_device_time_total <= 0:
             continue
         ms = event.self_device_time_total / steps / 1e3
         kind = kernel_kind(event.key)

@@ -334,7 +334,7 @@ def test_profile_steps_tells_the_kernels_of_a_training_step_apart():
         "triton_poi_fused__to_copy_clamp_mul_2": "inductor pointwise",
         "_cast_kernel": "fp8train cast kernels",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>":
-            "optimizer",
+            "optimizer and grad clip",
         "void at::native::elementwise_kernel<128, 2>": "other",
     }  # fmt: skip
     assert {name: kernel_kind(name) for name in names} == names
