@@ -105,9 +105,11 @@ if HAS_TRITON:
             magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))
             tile_amax = tl.max(tl.max(tl.where(mask, magnitude, 0.0), axis=1), axis=0)
             tl.atomic_max(amax_out_ptr, tile_amax)
-            # A non-finite input becomes NaN in float8, as a dynamic cast makes it (there the
-            # whole tensor turns NaN through its scale): never a saturated finite value.
-            scaled = tl.where(magnitude == float("inf"), float("nan"), scaled)
+        if not SCALE_FROM_AMAX:
+            # A given scale (delayed, static) never saw this input: an inf becomes NaN in
+            # float8, as a dynamic cast makes it (there the whole tensor turns NaN through its
+            # scale), never a saturated finite value. As the torch path does.
+            scaled = tl.where(tl.abs(hp) == float("inf"), float("nan"), scaled)
         fp8 = scaled.to(row_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         if WRITE_ROW:
             tl.store(row_ptr + rows64 * N + cols64, fp8, mask=mask)
