@@ -215,10 +215,9 @@ def stateful_scale(
     code by default, the eager CPU path) the amax is recorded here, a pass of its own, and the
     first step scales from the data."""
     if cast.scaling_type is ScalingType.STATIC:
-        scale = torch.full((), cast.static_scale, device=hp.device)
-        # The eager kernel turns an inf into NaN (never a saturated finite value) while it
-        # records an amax: a scratch one here. The torch path does so for any given scale.
-        return scale, torch.zeros((), device=hp.device) if eager_kernel(hp) else None
+        # The cast turns an inf into NaN (never a saturated finite value) under any given
+        # scale, in the kernel and on the torch path.
+        return torch.full((), cast.static_scale, device=hp.device), None
     if cast.scaling_type is not ScalingType.DELAYED:
         return None, None
     if state is None:
