@@ -387,8 +387,13 @@ def _constant(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def _stack_padded(histories: list[torch.Tensor]) -> torch.Tensor:
+    """The histories as rows, zero-padded to the longest: one stack, with a pad (a kernel of
+    its own) only for a history shorter than the longest."""
     width = max(h.numel() for h in histories)
-    return torch.stack([torch.nn.functional.pad(h, (0, width - h.numel())) for h in histories])
+    return torch.stack(
+        [h if h.numel() == width else torch.nn.functional.pad(h, (0, width - h.numel()))
+         for h in histories]
+    )  # fmt: skip
 
 
 def strip_float8_state(state_dict: dict) -> dict:

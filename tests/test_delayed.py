@@ -344,6 +344,33 @@ def test_sync_compiles_fullgraph():
     assert torch.equal(model[0].fp8_amax_history_input[:3], torch.stack(amaxes[::-1]))
 
 
+def test_sync_launches_as_many_ops_for_many_layers_as_for_two():
+    """The sync runs once per step for every delayed layer of a model: its work is a few
+    batched ops whatever the number of layers (views aside), not a kernel per layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            if not func.is_view:  # views launch nothing
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for layers in (2, 12):
+        model = convert_to_float8_training(
+            nn.Sequential(*[nn.Linear(K, K) for _ in range(layers)]), config=delayed_config()
+        )
+        model(torch.randn(M, K)).sum().backward()
+        with Ops() as ops:
+            sync_float8_amax_and_scale_history(model)
+        counts.append(ops.count)
+    assert counts[0] == counts[1] and counts[0] < 48, counts
+
+
 def test_sync_marks_scales_ready_and_a_load_clears_the_mark():
     layer = Float8Linear(K, N, bias=False, config=delayed_config())
     assert layer._fp8_ready_roles == set()
