@@ -51,7 +51,12 @@ from benchmarks.memory_trace import (
     print_peak,
     storage_bytes,
 )
-from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from fp8train import (
+    Float8Linear,
+    Float8LinearConfig,
+    convert_to_float8_training,
+    sync_float8_amax_and_scale_history,
+)
 from fp8train.demo import lm_loss
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
@@ -135,6 +140,7 @@ def blocks_part():
 
         def step():
             lm_loss(model, tokens, tokens).backward()
+            _after_backward(name, model)
 
         for _ in range(2):
             step()
@@ -200,6 +206,14 @@ def _compiled_blocks(base: nn.Module, name: str, device: torch.device) -> nn.Mod
     return model
 
 
+def _after_backward(name: str, model: nn.Module) -> None:
+    """What examples/train_llama.py does after each backward of config `name`: the delayed
+    configs sync their amaxes and scales (without it they would stay at their first step,
+    where every cast waits for its own amax)."""
+    if name.startswith("tensorwise-delayed"):
+        sync_float8_amax_and_scale_history(model)
+
+
 def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
     """Print the peak of a training step with config `name`; on the CPU return its bytes."""
     model = _compiled_blocks(base, name, tokens.device)
@@ -209,6 +223,7 @@ def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
         loss = lm_loss(model, tokens, tokens)
         with torch.profiler.record_function(BACKWARD_MARK):
             loss.backward()
+        _after_backward(name, model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -283,6 +298,7 @@ def _time_by_kind(name: str, base: nn.Module, tokens: torch.Tensor) -> dict[str,
 
     def step():
         lm_loss(model, tokens, tokens).backward()
+        _after_backward(name, model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
