@@ -85,6 +85,15 @@ def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
 def raise_amax(buffer: torch.Tensor, hp: torch.Tensor) -> torch.Tensor:
     """Raise the 0-d fp32 `buffer` to max |hp| in place (delayed scaling's running amax);
     returns this tensor's own amax."""
-    current = amax(hp, ScalingGranularity.TENSORWISE, None)
+    if torch.compiler.is_compiling() and hp.dim() >= 2:
+        # The maxima of the rows, then theirs (the same value). Compiled, this amax rides
+        # along with a cast that does not wait for it (delayed scaling with an earlier step's
+        # scale): a reduction along the last dim walks hp as the cast does, so inductor can
+        # take both in one kernel, where a reduction of the whole tensor is split into stages
+        # of another shape. tests/test_delayed.py checks the one read on CUDA.
+        rows = torch.linalg.vector_norm(hp, ord=float("inf"), dim=-1, dtype=torch.float32)
+        current = rows.amax()
+    else:
+        current = amax(hp, ScalingGranularity.TENSORWISE, None)
     buffer.copy_(torch.maximum(buffer, current))
     return current

@@ -330,6 +330,55 @@ def test_compiled_one_pass_turns_an_inf_into_nan(backend, device):
     assert out[3].isnan().all() and torch.isfinite(out[:3]).all()
 
 
+def _kernels_reading(code: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """For each named input shape of an inductor output `code`: how many generated kernels
+    (C++ or Triton; not extern gemms) are launched with that graph input as an argument."""
+    import re
+
+    inputs = {
+        name: tuple(map(int, dims.split(",")))
+        for name, dims in re.findall(r"assert_size_stride\((\w+), \(([\d, ]+)\)", code)
+    }
+    kernels = set(re.findall(r"^(\w+) = async_compile\.", code, re.MULTILINE))
+    launches = [
+        line for line in code.splitlines()
+        if (m := re.match(r"\s*(\w+)(?:\.run)?\(", line)) and m.group(1) in kernels
+    ]  # fmt: skip
+    counts = {}
+    for label, shape in shapes.items():
+        (name,) = [n for n, s in inputs.items() if s == shape]
+        counts[label] = sum(bool(re.search(rf"\b{name}\b", line)) for line in launches)
+    return counts
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON)))],
+)  # fmt: skip
+def test_compiled_one_pass_reads_input_and_weight_once(device):
+    """Once the scales are an earlier step's, a compiled one-pass cast and the amax it records
+    for the next step are one kernel: the input and the weight are each read by one kernel
+    (inductor's, on the CPU and in Triton), not by an amax kernel and a cast kernel."""
+    from torch._inductor.utils import run_and_get_code
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = delayed_config(delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True))
+    layer = Float8Linear(256, 512, bias=False, config=config).to(device, dtype)
+    for _ in range(2):  # on CUDA the host learns that the scales are ready one sync late
+        layer(torch.randn(384, 256, device=device, dtype=dtype)).sum().backward()
+        sync_float8_amax_and_scale_history(layer)
+    assert layer._fp8_ready_roles
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, codes = run_and_get_code(
+            torch.compile(layer, fullgraph=True),
+            torch.randn(384, 256, device=device, dtype=dtype),
+        )
+    reads = _kernels_reading(codes[-1], {"input": (384, 256), "weight": (512, 256)})
+    assert reads == {"input": 1, "weight": 1}, codes[-1]
+
+
 def test_sync_compiles_fullgraph():
     model = convert_to_float8_training(
         nn.Sequential(nn.Linear(K, K), nn.Linear(K, N)), config=delayed_config()
