@@ -267,6 +267,26 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def time_by_kind(events, steps: int, row: dict[str, float]) -> list[tuple]:  # noqa: ANN001
+    """Add to `row` the ms per step of the profiler's averaged `events` (over `steps` steps)
+    by kind of kernel, their total ("all kernels") and the device time of aten::_scaled_mm;
+    return (ms, launches per step, kind, name) per kernel."""
+    kernels = []
+    for event in events:
+        if event.key == "aten::_scaled_mm":
+            row["aten::_scaled_mm (all its kernels)"] = event.device_time_total / steps / 1e3
+        # Kernels only: the host's events (ops, and inductor's launches, named as their
+        # kernels) carry their kernels' time again.
+        if event.device_type != DeviceType.CUDA or event.self_device_time_total <= 0:
+            continue
+        ms = event.self_device_time_total / steps / 1e3
+        kind = kernel_kind(event.key)
+        row[kind] = row.get(kind, 0.0) + ms
+        row["all kernels"] = row.get("all kernels", 0.0) + ms
+        kernels.append((ms, event.count // steps, kind, event.key))
+    return kernels
+
+
 def time_part():
     """Where a training step of the end-to-end model spends its GPU time, per config: kernel
     time by kind, with the float8 gemms told apart by the op that launched them
@@ -316,19 +336,13 @@ def _time_by_kind(name: str, base: nn.Module, tokens: torch.Tensor) -> dict[str,
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    for event in p.key_averages():
-        if event.key == "aten::_scaled_mm":
-            row["aten::_scaled_mm (all its kernels)"] = event.device_time_total / steps / 1e3
-        # Kernels only: the host's events (ops, and inductor's launches, named as their
-        # kernels) carry their kernels' time again.
-        if event.device_type != DeviceType.CUDA or event.self_device_time_total <= 0:
-            continue
-        ms = event.self_device_time_total / steps / 1e3
-        kind = kernel_kind(event.key)
-        row[kind] = row.get(kind, 0.0) + ms
-        row["all kernels"] = row.get("all kernels", 0.0) + ms
+    kernels = time_by_kind(p.key_averages(), steps, row)
     print(f"##### time {name}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()))
-    top(step, n=25, steps=1)
+    # The kernels by time, names in full (the profiler's own table cuts them): inductor's
+    # names list the ops each kernel fused, which tells what a cast kernel casts.
+    print("ms per step | launches per step | kind | kernel")
+    for ms, count, kind, key in sorted(kernels, reverse=True)[:30]:
+        print(f"{ms:8.3f} | {count:4d} | {kind} | {key}")
     return row
 
 

@@ -340,6 +340,45 @@ def test_profile_steps_tells_the_kernels_of_a_training_step_apart():
     assert {name: kernel_kind(name) for name in names} == names
 
 
+def test_profile_steps_counts_each_kernel_once():
+    """The host's events repeat their kernels' time (an op, or inductor's launch named as its
+    kernel): only the CUDA events count, and aten::_scaled_mm gives the float8 gemms' total."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.profile_steps import time_by_kind
+
+    def event(key, device, self_us, total_us=0.0, count=2):  # noqa: ANN001, ANN202
+        return SimpleNamespace(
+            key=key, device_type=device, self_device_time_total=self_us,
+            device_time_total=total_us, count=count,
+        )  # fmt: skip
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        event("aten::_scaled_mm", cpu, 0.0, total_us=6000.0),
+        event("nvjet_sm90_qqtst_128x256_128x4_2x1_v_bz_coopA_TNN", cuda, 6000.0),
+        event("triton_poi_fused__to_copy_clamp_mul_0", cpu, 800.0),  # the launch, again
+        event("triton_poi_fused__to_copy_clamp_mul_0", cuda, 800.0),
+        event("triton_red_fused_linalg_vector_norm_1", cuda, 400.0, count=4),
+    ]
+    row: dict[str, float] = {}
+    kernels = time_by_kind(events, 2, row)
+    assert row == {
+        "aten::_scaled_mm (all its kernels)": 3.0,
+        "gemm": 3.0,
+        "inductor pointwise": 0.4,
+        "inductor reduction": 0.2,
+        "all kernels": 3.6,
+    }
+    assert [(k[1], k[2]) for k in sorted(kernels, reverse=True)] == [
+        (1, "gemm"),
+        (1, "inductor pointwise"),
+        (2, "inductor reduction"),
+    ]
+
+
 def test_offline_kernel_check_without_triton_says_what_to_install(monkeypatch):
     """Where Triton is missing (the CPU wheels of torch), the offline kernel check stops with
     the install command instead of an ImportError from deep inside."""
