@@ -20,7 +20,7 @@ from fp8train import (
     to_float8,
 )
 from fp8train.config import E4M3, E5M2
-from tests.conftest import FLOAT8_GPU_REASON, Projections
+from tests.conftest import DEVICES, FLOAT8_GPU_REASON, Projections
 
 M, K, N = 32, 64, 48
 DELAYED = CastConfig(scaling_type="delayed")
@@ -146,11 +146,7 @@ def test_static_scale_is_the_given_one():
     assert compute_error(x8 @ w8.t(), out) > 40
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-        FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON)))],
-)  # fmt: skip
+@pytest.mark.parametrize("device", DEVICES)
 def test_static_scale_turns_an_inf_into_nan_not_a_saturated_value(device):
     """A static scale never sees the data: the cast itself makes an inf NaN, on the torch path
     and in the eager kernel alike, so that it reaches the loss."""
@@ -303,11 +299,7 @@ def test_compiled_one_pass_recompiles_once_and_casts_without_waiting_for_the_ama
             assert casts > 0 and waiting == 0
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-        FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON)))],
-)  # fmt: skip
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_one_pass_turns_an_inf_into_nan(backend, device):
     """Without the amax before the cast, the scale cannot turn NaN: the cast itself makes an
@@ -351,11 +343,7 @@ def _kernels_reading(code: str, shapes: dict[str, tuple[int, ...]]) -> dict[str,
     return counts
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-        FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON)))],
-)  # fmt: skip
+@pytest.mark.parametrize("device", DEVICES)
 def test_compiled_one_pass_reads_input_and_weight_once(device):
     """Once the scales are an earlier step's, a compiled one-pass cast and the amax it records
     for the next step are one kernel: the input and the weight are each read by one kernel
