@@ -214,8 +214,10 @@ def _after_backward(name: str, model: nn.Module) -> None:
         sync_float8_amax_and_scale_history(model)
 
 
-def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
-    """Print the peak of a training step with config `name`; on the CPU return its bytes."""
+def _training_step(name: str, base: nn.Module, tokens: torch.Tensor):  # noqa: ANN202
+    """(model, optimizer, step) for config `name`: `base`'s blocks compiled and one training
+    step as examples/train_llama.py takes it (fused AdamW, gradient clipping, the delayed
+    sync), its backward marked for the memory report's phases."""
     model = _compiled_blocks(base, name, tokens.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -228,6 +230,12 @@ def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return model, optimizer, step
+
+
+def _peak(name: str, base: nn.Module, tokens: torch.Tensor) -> int | None:
+    """Print the peak of a training step with config `name`; on the CPU return its bytes."""
+    model, optimizer, step = _training_step(name, base, tokens)
     for _ in range(2):
         step()
     if tokens.is_cuda:
@@ -313,16 +321,7 @@ def time_part():
 
 def _time_by_kind(name: str, base: nn.Module, tokens: torch.Tensor) -> dict[str, float]:
     """ms per training step of config `name`: wall time, and kernel time by kind."""
-    model = _compiled_blocks(base, name, tokens.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step():
-        lm_loss(model, tokens, tokens).backward()
-        _after_backward(name, model)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    _, _, step = _training_step(name, base, tokens)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
