@@ -284,8 +284,13 @@ def time_by_kind(events, steps: int, row: dict[str, float]) -> list[tuple]:  # n
         if event.key == "aten::_scaled_mm":
             row["aten::_scaled_mm (all its kernels)"] = event.device_time_total / steps / 1e3
         # Kernels only: the host's events (ops, and inductor's launches, named as their
-        # kernels) carry their kernels' time again.
-        if event.device_type != DeviceType.CUDA or event.self_device_time_total <= 0:
+        # kernels) carry their kernels' time again, and so do the device's copies of
+        # record_function ranges (user annotations, such as "Optimizer.step#AdamW.step").
+        if (
+            event.device_type != DeviceType.CUDA
+            or getattr(event, "is_user_annotation", False)
+            or event.self_device_time_total <= 0
+        ):
             continue
         ms = event.self_device_time_total / steps / 1e3
         kind = kernel_kind(event.key)

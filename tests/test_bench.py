@@ -342,17 +342,18 @@ def test_profile_steps_tells_the_kernels_of_a_training_step_apart():
 
 def test_profile_steps_counts_each_kernel_once():
     """The host's events repeat their kernels' time (an op, or inductor's launch named as its
-    kernel): only the CUDA events count, and aten::_scaled_mm gives the float8 gemms' total."""
+    kernel), and so do the device's user annotations (optimizer.step's range): only the CUDA
+    kernels count, and aten::_scaled_mm gives the float8 gemms' total."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
     from benchmarks.profile_steps import time_by_kind
 
-    def event(key, device, self_us, total_us=0.0, count=2):  # noqa: ANN001, ANN202
+    def event(key, device, self_us, total_us=0.0, count=2, annotation=False):  # noqa: ANN001, ANN202
         return SimpleNamespace(
             key=key, device_type=device, self_device_time_total=self_us,
-            device_time_total=total_us, count=count,
+            device_time_total=total_us, count=count, is_user_annotation=annotation,
         )  # fmt: skip
 
     cpu, cuda = DeviceType.CPU, DeviceType.CUDA
@@ -362,6 +363,9 @@ def test_profile_steps_counts_each_kernel_once():
         event("triton_poi_fused__to_copy_clamp_mul_0", cpu, 800.0),  # the launch, again
         event("triton_poi_fused__to_copy_clamp_mul_0", cuda, 800.0),
         event("triton_red_fused_linalg_vector_norm_1", cuda, 400.0, count=4),
+        # optimizer.step()'s record_function range, on the device: its kernels' time again
+        event("Optimizer.step#AdamW.step", cuda, 2000.0, annotation=True),
+        event("multi_tensor_apply_kernel<FusedAdamMathFunctor>", cuda, 2000.0),
     ]
     row: dict[str, float] = {}
     kernels = time_by_kind(events, 2, row)
@@ -370,10 +374,12 @@ def test_profile_steps_counts_each_kernel_once():
         "gemm": 3.0,
         "inductor pointwise": 0.4,
         "inductor reduction": 0.2,
-        "all kernels": 3.6,
+        "optimizer and grad clip": 1.0,
+        "all kernels": 4.6,
     }
     assert [(k[1], k[2]) for k in sorted(kernels, reverse=True)] == [
         (1, "gemm"),
+        (1, "optimizer and grad clip"),
         (1, "inductor pointwise"),
         (2, "inductor reduction"),
     ]
