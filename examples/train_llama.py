@@ -104,7 +104,9 @@ CONFIGS = (
 )
 """The baseline's name in the tables, by --dtype."""
 WARMUP_STEPS = 5
-"""Steps left out of tokens/s: compilation and allocator growth."""
+"""Steps left out of tokens/s (compilation, the allocator's growth, delayed scaling's switch to
+recorded scales), each waited for; the steps after them run back to back and are timed
+together."""
 FINAL_STEPS = 20
 """The final train loss is the mean over this many last steps."""
 
@@ -233,12 +235,18 @@ def train(
     stream = batches(
         data["train"], args.batch_size, args.seq_len, torch.Generator().manual_seed(seed)
     )
-    losses, times = [], []
+    # The first WARMUP_STEPS steps (compilation, the allocator's growth, delayed scaling's
+    # switch to its recorded scales) wait for the device after each step; the timed steps
+    # after them run back to back, as training does, and their losses are read at the end.
+    warmup = WARMUP_STEPS if args.steps > WARMUP_STEPS else 0
+    losses = []
+    start = time.perf_counter()
     for step in tqdm(range(args.steps), desc=name, disable=args.quiet, leave=False):
+        if step == warmup:
+            synchronize(device)
+            start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        synchronize(device)
-        start = time.perf_counter()
         once = cast_weights_once(model) if ours and args.grad_accum > 1 else nullcontext()
         total = torch.zeros((), device=device)
         with once:
@@ -253,10 +261,12 @@ def train(
             sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(total.item())  # waits for the step
-        times.append(time.perf_counter() - start)
-    timed = times[WARMUP_STEPS:] or times
-    step_s = sum(timed) / len(timed)
+        losses.append(total)
+        if step < warmup:
+            synchronize(device)
+    synchronize(device)
+    step_s = (time.perf_counter() - start) / (args.steps - warmup)
+    losses = torch.stack(losses).tolist()
     tokens = args.batch_size * args.seq_len * args.grad_accum
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     with compute:  # after reading the peak, which is training's

@@ -157,6 +157,39 @@ def test_runs_are_compared_with_another_config_of_their_seed(tmp_path, capsys):
         assert path.stat().st_size > 0
 
 
+def test_timed_steps_run_back_to_back_without_waiting_for_the_device(tmp_path, monkeypatch):
+    """After the warm-up steps, no step of the loop waits for the device (a sync, or a loss
+    read to the host): the losses are read once at the end, so the host can queue the next
+    step while the device runs this one, as training does. The loop's waits are the same for
+    8 steps and for 12. (The CPU's AdamW reads its step counts, which the GPU's fused AdamW
+    does not; only the example's own calls are counted.)"""
+    import sys
+
+    waits = []
+    item, tolist = torch.Tensor.item, torch.Tensor.tolist
+
+    def counted(method):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if sys._getframe(1).f_code.co_filename == train_llama.__file__:
+                waits.append(method.__name__)
+            return method(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "item", counted(item))
+    monkeypatch.setattr(torch.Tensor, "tolist", counted(tolist))
+    sync = train_llama.synchronize
+    monkeypatch.setattr(train_llama, "synchronize", counted(sync))
+    counts = []
+    for steps in ("8", "12"):
+        waits.clear()
+        rows = run(tmp_path, "--configs", "bf16", "--steps", steps)
+        assert len(rows[0]["losses"]) == int(steps)
+        assert all(isinstance(loss, float) for loss in rows[0]["losses"])
+        counts.append(len(waits))
+    assert counts[0] == counts[1]
+
+
 def test_full_precision_reductions_hold_for_the_runs_and_are_restored(tmp_path, monkeypatch):
     import torch
 
