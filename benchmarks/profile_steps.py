@@ -23,6 +23,10 @@ times with dynamo's counters (frames, graph breaks).
                                                  # time by kind of kernel (gemms, attention,
                                                  # casts, ...) per config (CONFIGS, default
                                                  # bf16,tensorwise), against the first config
+    INDUCTOR="coordinate_descent_tuning=True" python -m benchmarks.profile_steps time
+                                                 # any part with torch._inductor.config
+                                                 # options (KEY=VALUE, space-separated, as
+                                                 # train_llama's --inductor)
     python -m benchmarks.profile_steps demo      # the demo's CUDA model (8 layers, dim 1024),
                                                  # bf16 and float8, eager and compiled
     ONLY=1 python -m benchmarks.profile_steps demo   # float8 compiled only
@@ -397,15 +401,22 @@ def demo_part():
 
 
 if __name__ == "__main__":
+    from torch._inductor import config as inductor_config
+
+    from examples.train_llama import inductor_options
+
     parts = sys.argv[1:] or ["layer", "demo"]  # blocks only when asked for
+    options = inductor_options(os.environ.get("INDUCTOR", "").split(), source="INDUCTOR")
+    functions = {
+        "layer": layer_part,
+        "demo": demo_part,
+        "blocks": blocks_part,
+        "peak": peak_part,
+        "time": time_part,
+    }
     for part in parts:
         try:
-            {
-                "layer": layer_part,
-                "demo": demo_part,
-                "blocks": blocks_part,
-                "peak": peak_part,
-                "time": time_part,
-            }[part]()
+            with inductor_config.patch(options):
+                functions[part]()
         except Exception:
             traceback.print_exc()

@@ -21,6 +21,7 @@ bf16) and writes the loss curves as a PNG with --plot (needs matplotlib).
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import gc
 import json
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._inductor import config as inductor_config
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
@@ -321,6 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "where the ops allow it (slower)")  # fmt: skip
     add("--full-precision-reductions", action="store_true", help="bf16 and fp16 gemms "
         "reduce in fp32 only (torch allows reduced-precision split-K by default)")  # fmt: skip
+    add("--inductor", nargs="+", metavar="KEY=VALUE", help="torch._inductor.config options "
+        "for every run, by their dotted names, values as Python literals: for example "
+        "coordinate_descent_tuning=True triton.tile_reductions=True")  # fmt: skip
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -394,6 +399,39 @@ def full_precision_reductions(enabled: bool):  # noqa: ANN201
         ) = before
 
 
+def inductor_options(pairs: list[str] | None, source: str = "--inductor") -> dict:
+    """`KEY=VALUE` pairs as options for torch._inductor.config.patch: dotted names as in
+    torch._inductor.config, values as Python literals (a bare word is a string). An unknown
+    name, or a value of another type than the option's default, stops with what to give
+    instead (an option whose default is None takes its value unchecked)."""
+    known = inductor_config.get_config_copy()
+    options = {}
+    for pair in pairs or []:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(
+                f"{source} {pair!r}: give KEY=VALUE, for example coordinate_descent_tuning=True"
+            )
+        if key not in known:
+            raise SystemExit(
+                f"{source} {key}: torch._inductor.config has no such option; give its dotted "
+                "name, for example triton.tile_reductions"
+            )
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        default = known[key]
+        numeric = isinstance(default, float) and type(value) is int
+        if default is not None and type(value) is not type(default) and not numeric:
+            raise SystemExit(
+                f"{source} {pair}: {key} takes a {type(default).__name__} "
+                f"(its default is {default!r})"
+            )
+        options[key] = value
+    return options
+
+
 def write_json(args: argparse.Namespace, run_environment: dict, rows: list[dict]) -> None:
     # Output files by name alone: where they were written says nothing about the runs, and
     # the files are shared.
@@ -405,6 +443,7 @@ def write_json(args: argparse.Namespace, run_environment: dict, rows: list[dict]
 
 def main(args: argparse.Namespace) -> list[dict]:
     args = resolve(args)
+    inductor = inductor_options(args.inductor)
     device = torch.device(args.device)
     parameters = (
         f"fp32 parameters, {args.dtype} autocast" if args.master_weights
@@ -415,7 +454,7 @@ def main(args: argparse.Namespace) -> list[dict]:
         f"torch {torch.__version__} | model: {args.n_layers} layers, dim {args.dim}, "
         f"{args.n_heads} heads, FFN {args.ffn_dim}, seq {args.seq_len}, batch {args.batch_size}"
         f" x {args.grad_accum} micro-batches, {args.steps} steps, {parameters}, "
-        f"compile={args.compile}, ac={args.ac}"
+        f"compile={args.compile}, ac={args.ac}" + (f", inductor {inductor}" if inductor else "")
     )
     train_tokens, val_tokens = train_val_split(load_text_tokens(args.corpus))
     print(
@@ -451,6 +490,7 @@ def main(args: argparse.Namespace) -> list[dict]:
             with (
                 deterministic_algorithms(args.deterministic),
                 full_precision_reductions(args.full_precision_reductions),
+                inductor_config.patch(inductor),
             ):
                 rows.append(train(name, initial, data, args, seed))
             row = rows[-1]

@@ -210,6 +210,53 @@ def test_full_precision_reductions_hold_for_the_runs_and_are_restored(tmp_path, 
     assert matmul.allow_fp16_reduced_precision_reduction
 
 
+def test_inductor_options_hold_for_the_runs_and_are_restored(tmp_path, monkeypatch, capsys):
+    from torch._inductor import config
+
+    assert not config.coordinate_descent_tuning and not config.triton.tile_reductions
+    seen = []
+    train = train_llama.train
+
+    def recording_train(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append((config.coordinate_descent_tuning, config.triton.tile_reductions))
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(train_llama, "train", recording_train)
+    run(tmp_path, "--configs", "bf16", "--steps", "2",
+        "--inductor", "coordinate_descent_tuning=True", "triton.tile_reductions=True")  # fmt: skip
+    assert seen == [(True, True)]
+    assert not config.coordinate_descent_tuning and not config.triton.tile_reductions
+    assert "inductor {'coordinate_descent_tuning': True" in capsys.readouterr().out
+    args = json.loads((tmp_path / "runs.json").read_text())["args"]
+    assert args["inductor"] == ["coordinate_descent_tuning=True", "triton.tile_reductions=True"]
+
+
+@pytest.mark.parametrize(
+    ("pair", "message"),
+    [
+        ("coordinate_descent_tuning", "give KEY=VALUE"),
+        ("triton.tile_reduction=True", "no such option; give its dotted name"),
+        ("coordinate_descent_tuning=1", "takes a bool"),
+        ("triton.tile_reductions=yes", "takes a bool"),
+    ],
+)
+def test_inductor_options_refuse_what_inductor_would_not_take(pair, message):
+    from examples.train_llama import inductor_options
+
+    with pytest.raises(SystemExit, match=message):
+        inductor_options([pair])
+
+
+def test_inductor_option_values_are_python_literals():
+    from examples.train_llama import inductor_options
+
+    assert inductor_options(["triton.max_tiles=2", "coordinate_descent_tuning=False"]) == {
+        "triton.max_tiles": 2,
+        "coordinate_descent_tuning": False,
+    }
+    assert inductor_options(None) == {}
+
+
 def test_deterministic_runs_train_and_leave_the_setting_as_it_was(tmp_path):
     import torch
 
