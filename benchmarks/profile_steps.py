@@ -326,6 +326,31 @@ def time_part():
     print("|---|" + "---|" * len(names))
     for kind in kinds:
         print(f"| {kind} | " + " | ".join(f"{table[n].get(kind, 0.0):.2f}" for n in names) + " |")
+    for label, values in against_first(table).items():
+        print(f"| {label} | " + " | ".join(values) + " |")
+
+
+INDUCTOR_KINDS = ("inductor pointwise", "inductor reduction", "fp8train cast kernels")
+"""The kinds that hold the casts of a float8 step (beside the norms, rotary embedding,
+SwiGLU and residual adds that a bf16 step runs as inductor kernels too)."""
+
+
+def against_first(table: dict[str, dict[str, float]]) -> dict[str, list[str]]:
+    """Rows that compare each config of `time_part`'s table with the first: its speed (the
+    first's wall time over its own) and its casts (its inductor and cast-kernel time beyond
+    the first's), as cells."""
+    names = list(table)
+    first = table[names[0]]
+
+    def casts(row: dict[str, float]) -> float:
+        return sum(row.get(kind, 0.0) for kind in INDUCTOR_KINDS)
+
+    return {
+        f"wall: speed vs {names[0]}": [f"{first['wall'] / table[n]['wall']:.3f}x" for n in names],
+        f"casts: inductor and cast kernels beyond {names[0]}": [
+            f"{casts(table[n]) - casts(first):.2f}" for n in names
+        ],
+    }
 
 
 def _time_by_kind(name: str, base: nn.Module, tokens: torch.Tensor) -> dict[str, float]:

@@ -385,6 +385,23 @@ def test_profile_steps_counts_each_kernel_once():
     ]
 
 
+def test_profile_steps_compares_each_config_with_the_first():
+    """The time table's last rows: each config's speed against the first (its wall time over
+    theirs) and its cast time (inductor's kernels and fp8train's cast kernels beyond the
+    first config's)."""
+    from benchmarks.profile_steps import against_first
+
+    table = {
+        "bf16": {"wall": 140.0, "inductor pointwise": 5.0, "inductor reduction": 3.0},
+        "tensorwise": {"wall": 100.0, "inductor pointwise": 12.0, "inductor reduction": 9.0},
+        "cast-kernels": {"wall": 112.0, "inductor pointwise": 6.0, "fp8train cast kernels": 7.5},
+    }
+    assert against_first(table) == {
+        "wall: speed vs bf16": ["1.000x", "1.400x", "1.250x"],
+        "casts: inductor and cast kernels beyond bf16": ["0.00", "13.00", "5.50"],
+    }
+
+
 def test_offline_kernel_check_without_triton_says_what_to_install(monkeypatch):
     """Where Triton is missing (the CPU wheels of torch), the offline kernel check stops with
     the install command instead of an ImportError from deep inside."""
