@@ -70,23 +70,41 @@ except ImportError:
     ao = None
 
 
-def top(fn, n=14, steps=3):
+def wall_ms(fn, repeats: int) -> float:  # noqa: ANN001
+    """ms per call of `fn`, over `repeats` calls back to back after three warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(20):
+    for _ in range(repeats):
         fn()
     torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) / 20 * 1e3
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def is_kernel(event) -> bool:  # noqa: ANN001
+    """True for a profiler event that is a CUDA kernel's own time. The host's events (ops,
+    and inductor's launches, named as their kernels) carry their kernels' time again, and so
+    do the device's copies of record_function ranges (user annotations, such as
+    "Optimizer.step#AdamW.step")."""
+    return (
+        event.device_type == DeviceType.CUDA
+        and not getattr(event, "is_user_annotation", False)
+        and event.self_device_time_total > 0
+    )
+
+
+def top(fn, n=14, steps=3):
+    wall = wall_ms(fn, 20)
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
     # Kernel time summed against the wall time of a step: where the kernels fill much less
     # than the step, the GPU waits for the host (launches, Python, guards).
-    kernel_ms = sum(e.self_device_time_total for e in p.key_averages()) / steps / 1e3
-    print(f"wall {wall_ms:.3f} ms per step, kernels {kernel_ms:.3f} ms per step")
+    kernel_ms = sum(e.self_device_time_total for e in p.key_averages() if is_kernel(e))
+    kernel_ms /= steps * 1e3
+    print(f"wall {wall:.3f} ms per step, kernels {kernel_ms:.3f} ms per step")
     try:
         print(
             p.key_averages().table(
@@ -287,14 +305,7 @@ def time_by_kind(events, steps: int, row: dict[str, float]) -> list[tuple]:  # n
     for event in events:
         if event.key == "aten::_scaled_mm":
             row["aten::_scaled_mm (all its kernels)"] = event.device_time_total / steps / 1e3
-        # Kernels only: the host's events (ops, and inductor's launches, named as their
-        # kernels) carry their kernels' time again, and so do the device's copies of
-        # record_function ranges (user annotations, such as "Optimizer.step#AdamW.step").
-        if (
-            event.device_type != DeviceType.CUDA
-            or getattr(event, "is_user_annotation", False)
-            or event.self_device_time_total <= 0
-        ):
+        if not is_kernel(event):
             continue
         ms = event.self_device_time_total / steps / 1e3
         kind = kernel_kind(event.key)
@@ -356,14 +367,7 @@ def against_first(table: dict[str, dict[str, float]]) -> dict[str, list[str]]:
 def _time_by_kind(name: str, base: nn.Module, tokens: torch.Tensor) -> dict[str, float]:
     """ms per training step of config `name`: wall time, and kernel time by kind."""
     _, _, step = _training_step(name, base, tokens)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    row = {"wall": (time.perf_counter() - start) / 5 * 1e3}
+    row = {"wall": wall_ms(step, 5)}
     steps = 2
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         for _ in range(steps):

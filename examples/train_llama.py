@@ -242,7 +242,6 @@ def train(
     # after them run back to back, as training does, and their losses are read at the end.
     warmup = WARMUP_STEPS if args.steps > WARMUP_STEPS else 0
     losses = []
-    start = time.perf_counter()
     for step in tqdm(range(args.steps), desc=name, disable=args.quiet, leave=False):
         if step == warmup:
             synchronize(device)
