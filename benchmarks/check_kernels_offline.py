@@ -11,7 +11,8 @@ fail with numpy 2.4) beside a CPU build of torch. Two checks:
    buffers and in one shared buffer as eager casts lay them out (fp8train.cast.cast_layouts).
    The interpreter rounds float8 wrongly near powers of two, so float8 bytes are compared
    only between two kernel paths (0-d amax and partial maxima), never with torch's;
-   tests/test_kernels.py does that on the GPU.
+   tests/test_kernels.py does that on the GPU. The transpose kernel moves bytes without
+   converting them, so its column-major copy is compared with torch's, byte for byte.
 2. Triton compiles every kernel for sm_90 (needs no GPU).
 A diagnostic for kernel changes; the GPU tests remain the check that counts.
 """
@@ -23,7 +24,7 @@ import os
 import torch
 
 E4M3 = torch.float8_e4m3fn
-SHAPES = [(1, 1), (40, 300), (257, 129), (0, 8)]
+SHAPES = [(1, 1), (40, 300), (257, 129), (0, 8), (64, 64), (130, 65)]
 
 
 def interpreted() -> None:
@@ -33,7 +34,7 @@ def interpreted() -> None:
     launch_module.LEAN = False  # the interpreter returns no compiled kernel to cache
     amax_module._multiprocessors = lambda index: 3
     amax_module.torch.cuda.current_device = lambda: 0
-    from fp8train.kernels import amax_partials_2d, cast_2d
+    from fp8train.kernels import amax_partials_2d, cast_2d, column_major_2d
     from fp8train.scaling import amax_to_scale
 
     torch.manual_seed(0)
@@ -68,6 +69,12 @@ def interpreted() -> None:
             and torch.equal(slots[4], inverse)
             and torch.equal(slots[8:], partials),
         }
+        if row.numel():  # every byte value, NaN patterns included, tiles cut at the edges
+            data = torch.randint(0, 256, shape, dtype=torch.uint8).view(E4M3)
+            copy = column_major_2d(data)
+            checks["transpose: column-major bytes"] = copy.t().is_contiguous() and torch.equal(
+                copy.t().contiguous().view(torch.uint8), data.t().contiguous().view(torch.uint8)
+            )
         bad = [name for name, ok in checks.items() if not ok]
         failures += len(bad)
         print(f"{shape}: " + ("ok" if not bad else "FAILED: " + ", ".join(bad)))
@@ -82,6 +89,7 @@ def compiled_for_sm90() -> None:
 
     from fp8train.kernels import amax as amax_module
     from fp8train.kernels import cast as cast_module
+    from fp8train.kernels import transpose as transpose_module
 
     i32, fp32 = "i32", "*fp32"
     target = GPUTarget("cuda", 90, 32)
@@ -106,6 +114,10 @@ def compiled_for_sm90() -> None:
             )  # fmt: skip
             name = f"cast (AMAX_BLOCK={amax_block}, scale_from_amax={scale_from_amax})"
             kernels[name] = (cast_module._cast_kernel, signature, constexprs, 4)
+    block_m, block_n, num_warps = transpose_module.TILE
+    kernels["transpose"] = (transpose_module._transpose_kernel, dict(
+        src_ptr="*u8", dst_ptr="*u8", M=i32, N=i32,
+    ), dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps)  # fmt: skip
     for name, (kernel, signature, constexprs, num_warps) in kernels.items():
         signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
         source = ASTSource(kernel, signature, constexprs=constexprs)

@@ -181,6 +181,7 @@ def blocks_part():
             kind = (
                 "fp8train cast" if "_cast_kernel" in event.key
                 else "fp8train amax" if "_amax_partials_kernel" in event.key
+                else "fp8train transpose" if "_transpose_kernel" in event.key
                 else "inductor reduction" if event.key.startswith(("triton_red", "triton_per"))
                 else "inductor pointwise" if event.key.startswith("triton_poi")
                 else "other (gemms, attention, copies)"
@@ -281,7 +282,7 @@ KERNEL_KINDS = (
     ("float8 gemm", ("e4m3", "e5m2", "f8f8", "_fp8", "fp8_")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
-    ("fp8train cast kernels", ("_cast_kernel", "_amax_partials_kernel")),
+    ("fp8train cast kernels", ("_cast_kernel", "_amax_partials_kernel", "_transpose_kernel")),
     ("optimizer and grad clip", ("adam", "multi_tensor", "foreach", "norm_kernel")),
     ("inductor reduction", ("triton_red", "triton_per")),
     ("inductor pointwise", ("triton_poi",)),

@@ -2,7 +2,8 @@
 the tensors inductor's partitioner keeps (dtype, shape, MiB), parameters apart.
 
     python -m benchmarks.saved_by_block                     # CPU, a small block, inductor
-    python -m benchmarks.saved_by_block --opaque-casts      # compiled_cast_kernels as on a GPU
+    python -m benchmarks.saved_by_block --opaque-casts      # compiled_cast_kernels (and
+                                                            # _transpose_kernels) as on a GPU
     python -m benchmarks.saved_by_block --float8-swiglu     # SwiGLU's inputs kept in float8
     python -m benchmarks.saved_by_block --dim 4096 --ffn-dim 14336 --heads 32 --tokens 8192
 
@@ -89,6 +90,23 @@ def _(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row: bool, col:
     )
 
 
+@torch.library.custom_op("saved_by_block::column_major", mutates_args=())
+def _column_major(data: torch.Tensor) -> torch.Tensor:
+    return fp8train.cast._column_major(data).clone()
+
+
+@_column_major.register_fake
+def _(data: torch.Tensor) -> torch.Tensor:
+    m, n = data.shape
+    return data.new_empty((n, m)).t()
+
+
+def _opaque_transpose_op(data: torch.Tensor) -> torch.Tensor:
+    """fp8train.cast._transpose_op as an op that the partitioner and inductor treat as the
+    GPU's triton op: a node of its own, neither fused nor recomputed."""
+    return torch.ops.saved_by_block.column_major(data)
+
+
 def _opaque_cast_ops(hp, float8_dtype, layouts, round_to_power_of_2, scale, record_amax):  # noqa: ANN001, ANN202, PLR0913
     """fp8train.cast._cast_ops with custom ops that the partitioner treats as the GPU's."""
     if record_amax is not None:
@@ -156,6 +174,7 @@ def describe(saved: list[torch.Tensor], block: torch.nn.Module) -> dict:
 def main(args: argparse.Namespace) -> list[dict]:
     if args.opaque_casts:
         fp8train.cast._cast_ops = _opaque_cast_ops
+        fp8train.cast._transpose_op = _opaque_transpose_op
     print_environment()
     block_args = ModelArgs(
         dim=args.dim,

@@ -93,6 +93,9 @@ CONFIGS = (
     "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
     "tensorwise-delayed-tied",  # wq/wk/wv and w1/w3 share one input state (one cast)
     "tensorwise-delayed-one-pass-tied",
+    # and grad_output's column-major copy made from its row-major bytes by fp8train's
+    # transpose kernel (compiled_transpose_kernels), not in the cast's own kernel
+    "tensorwise-delayed-one-pass-tied-transpose",
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
     "tensorwise-cast-kernels-no-input",  # the same for weights and gradients, not inputs
     "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
@@ -157,6 +160,7 @@ def convert(model: nn.Module, name: str) -> nn.Module:
             cast_config_weight=delayed,
             cast_config_grad_output=delayed,
             delayed_scaling_config=DelayedScalingConfig(compiled_one_pass="-one-pass" in name),
+            compiled_transpose_kernels=("grad_output",) if name.endswith("-transpose") else False,
         )
     elif name == "tensorwise-cast-kernels":
         config = Float8LinearConfig(compiled_cast_kernels=True)
@@ -170,7 +174,7 @@ def convert(model: nn.Module, name: str) -> nn.Module:
     else:
         config = Float8LinearConfig.from_recipe_name(name)
     model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
-    return tie_shared_delayed_inputs(model) if name.endswith("-tied") else model
+    return tie_shared_delayed_inputs(model) if "-tied" in name else model
 
 
 class Checkpointed(nn.Module):

@@ -21,7 +21,13 @@ from fp8train.config import (
     ScalingGranularity,
     ScalingType,
 )
-from fp8train.kernels import HAS_TRITON, amax_partials_2d, cast_2d, partials_count
+from fp8train.kernels import (
+    HAS_TRITON,
+    amax_partials_2d,
+    cast_2d,
+    column_major_2d,
+    partials_count,
+)
 from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
 
@@ -112,13 +118,16 @@ def cast_layouts(
     record_amax: torch.Tensor | None = None,
     compiled_kernels: bool = False,
     own_scale: bool = False,
+    transpose_kernel: bool = False,
 ) -> list[Float8Tensor]:
     """One cast of `hp` (one scale), as one Float8Tensor per entry of `layouts` (True:
     column-major). `scale`: given (delayed, static) instead of found from the amax;
     `record_amax`: a 0-d fp32 buffer raised to max |hp| (delayed scaling's next amax), in
     the cast's own pass where the kernel runs. `compiled_kernels`: a tensorwise cast traced
     by torch.compile becomes fp8train's triton ops (uses_cast_kernels). `own_scale`: the
-    given `scale` was found from this `hp`'s amax (see cast_for_gemms)."""
+    given `scale` was found from this `hp`'s amax (see cast_for_gemms). `transpose_kernel`:
+    traced by torch.compile with both layouts asked, the column-major copy is made from the
+    row-major bytes by fp8train's transpose op (Float8LinearConfig.compiled_transpose_kernels)."""
     if (
         compiled_kernels
         and granularity is ScalingGranularity.TENSORWISE
@@ -180,9 +189,17 @@ def cast_layouts(
     else:
         data = _saturated_cast(hp, scale, float8_dtype, nonfinite_to_nan=given_scale)
     first = data
+    relayout = _column_major
+    if (
+        transpose_kernel
+        and False in layouts
+        and torch.compiler.is_compiling()
+        and not is_traceable_wrapper_subclass(first)
+    ):
+        relayout = _transpose_op
     casts = []
     for column_major in layouts:
-        data = _column_major(first) if column_major and first.dim() == 2 else first
+        data = relayout(first) if column_major and first.dim() == 2 else first
         casts.append(Float8Tensor(data, scale, hp.dtype, granularity))
     return casts
 
@@ -364,6 +381,26 @@ def _saturated_cast_op(
     return _layouts_of(_saturated_cast(hp, scale, float8_dtype), row_major, column_major)
 
 
+@_triton_op("fp8train::column_major", mutates_args=())
+def _column_major_op(data: torch.Tensor) -> torch.Tensor:
+    """A column-major copy of the row-major 2-D float8 tensor `data`, the same bytes: the
+    Triton transpose kernel on CUDA, else the torch path. A triton op, so that inductor
+    neither fuses the copy into the kernel that makes `data` nor recomputes it from `data`'s
+    inputs (Float8LinearConfig.compiled_transpose_kernels)."""
+    if data.is_cuda and HAS_TRITON:
+        return column_major_2d(data.contiguous(), traced=True)
+    # A fresh tensor even where `data` is column-major too (one row or one column): an op's
+    # output must not alias its input.
+    return data.t().clone(memory_format=torch.contiguous_format).t()
+
+
+def _transpose_op(data: torch.Tensor) -> torch.Tensor:
+    """The column_major op, called through this name so that a CPU probe can stand an opaque
+    op in for it (benchmarks/saved_by_block.py --opaque-casts): off CUDA the triton op traces
+    into its torch path, which inductor fuses as it fuses `_column_major`."""
+    return torch.ops.fp8train.column_major(data)
+
+
 @_triton_op("fp8train::amax", mutates_args=())
 def _amax_op(hp: torch.Tensor) -> torch.Tensor:
     """max |hp| as a 1-D fp32 tensor whose maximum is the amax: on CUDA (2-D) the partial
@@ -466,6 +503,7 @@ def cast_for_gemms(
         record_amax=record_amax,
         compiled_kernels=uses_cast_kernels(config, role),
         own_scale=own_scale,
+        transpose_kernel=role in config.compiled_transpose_kernels,
     )
 
 

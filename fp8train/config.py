@@ -227,14 +227,14 @@ class Float8LinearRecipeName(str, enum.Enum):
     fp32 elsewhere (see the README)."""
 
 
-def _cast_kernel_roles(value: object) -> frozenset[Role]:
-    """Float8LinearConfig.compiled_cast_kernels as the set of roles it names."""
+def _kernel_roles(field: str, value: object, example: str) -> frozenset[Role]:
+    """A Float8LinearConfig field that takes True, False or roles (compiled_cast_kernels,
+    compiled_transpose_kernels) as the set of roles it names."""
     if isinstance(value, bool):
         return frozenset(Role) if value else frozenset()
     if isinstance(value, (str, Role)) or not isinstance(value, Iterable):
         raise ValueError(
-            f"compiled_cast_kernels={value!r}: give True, False or a collection of roles, "
-            "for example ('weight', 'grad_output')"
+            f"{field}={value!r}: give True, False or a collection of roles, for example {example}"
         )
     return frozenset(_parse(Role, role) for role in value)
 
@@ -314,6 +314,22 @@ class Float8LinearConfig:
     ("weight", "grad_output") leaves the inputs' casts to inductor: no cast the partitioner
     would keep is a kernel, so the block keeps what it keeps without the kernels."""
 
+    compiled_transpose_kernels: bool | frozenset[Role] = False
+    """Experimental, not yet measured on a GPU. Under torch.compile, where one cast of a role
+    writes both layouts (grad_output's: row-major for grad_input, column-major for
+    grad_weight), inductor's kernel writes the row-major float8 bytes only and fp8train's
+    transpose kernel (a triton op, fp8train.kernels.transpose) copies them column-major, in
+    tiles that load and store contiguous runs. Inductor otherwise writes both layouts from the
+    kernel that makes the values, and where that kernel is a reduction (delayed scaling's
+    one-pass cast, fused with SwiGLU's backward) its column-major store is strided: on the
+    H100 that kernel took twice bf16's time for the same bytes
+    (benchmarks/results/e2e_loop_h100_2026-12-06.md). The copy costs one more read and write
+    of the float8 bytes. True: every role; a collection of roles: those only (("grad_output",)
+    is the case above). No number changes: the copy holds the same bytes. Ignored for a role
+    whose casts are compiled_cast_kernels (they write both layouts themselves) and in eager
+    mode (the eager kernels write both layouts from tiles already). Off CUDA the op copies
+    with torch."""
+
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
     element on the wire instead of 2 or 4. Tensorwise e4m3 weight casts (dynamic, delayed or
@@ -326,9 +342,11 @@ class Float8LinearConfig:
     # that torch.compile traces (torch 2.11's dynamo cannot trace them inside autograd.Function).
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "compiled_cast_kernels", _cast_kernel_roles(self.compiled_cast_kernels)
-        )
+        for field, example in (
+            ("compiled_cast_kernels", "('weight', 'grad_output')"),
+            ("compiled_transpose_kernels", "('grad_output',)"),
+        ):
+            object.__setattr__(self, field, _kernel_roles(field, getattr(self, field), example))
         base = {
             Role.INPUT: self.cast_config_input,
             Role.WEIGHT: self.cast_config_weight,

@@ -333,6 +333,7 @@ def test_profile_steps_tells_the_kernels_of_a_training_step_apart():
         "triton_per_fused_add_mean_mul_pow_rsqrt_1": "inductor reduction",
         "triton_poi_fused__to_copy_clamp_mul_2": "inductor pointwise",
         "_cast_kernel": "fp8train cast kernels",
+        "_transpose_kernel": "fp8train cast kernels",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>":
             "optimizer and grad clip",
         "void at::native::elementwise_kernel<128, 2>": "other",

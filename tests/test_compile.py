@@ -25,7 +25,14 @@ from torch.utils.checkpoint import (
 )
 
 from benchmarks.saved_by_block import saved_by_backward
-from fp8train import Float8Linear, Float8LinearConfig, compute_error, convert_to_float8_training
+from fp8train import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    compute_error,
+    convert_to_float8_training,
+)
 from fp8train.kernels import HAS_TRITON
 from fp8train.models import ModelArgs, Transformer
 from tests.conftest import DEVICES, FLOAT8_GPU_REASON, Projections, all_roles_config
@@ -220,20 +227,33 @@ def test_compiled_and_eager_give_the_same_gradients(config):
         assert torch.equal(eager, compiled)
 
 
-def _forward_graph_targets(fn, *inputs) -> list[str]:  # noqa: ANN001
-    """The call_function targets of the forward graph aot_autograd hands its compiler."""
-    targets: list[str] = []
+def _graph_targets(fn, *inputs) -> tuple[list[str], list[str]]:  # noqa: ANN001
+    """The call_function targets of the forward and the backward graph that aot_autograd
+    (the min-cut partitioner) hands its compilers."""
+    forward: list[str] = []
+    backward: list[str] = []
 
-    def record(gm, _):  # noqa: ANN001, ANN202
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return make_boxed_func(gm.forward)
+    def recorder(targets: list[str]):  # noqa: ANN202
+        def record(gm, _):  # noqa: ANN001, ANN202
+            targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return make_boxed_func(gm.forward)
+
+        return record
 
     torch._dynamo.reset()
     backend = aot_autograd(
-        fw_compiler=record, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)
+        fw_compiler=recorder(forward),
+        bw_compiler=recorder(backward),
+        partition_fn=min_cut_rematerialization_partition,
     )
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs).sum().backward()
-    return targets
+    # square(): grad_output then varies (sum() alone gives an expanded scalar one).
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs).square().sum().backward()
+    return forward, backward
+
+
+def _forward_graph_targets(fn, *inputs) -> list[str]:  # noqa: ANN001
+    """The call_function targets of the forward graph aot_autograd hands its compiler."""
+    return _graph_targets(fn, *inputs)[0]
 
 
 @pytest.mark.skipif(
@@ -325,6 +345,155 @@ def test_compiled_cast_kernels_match_eager_bit_for_bit(device):
         ("output", "grad_input", "grad_weight"), *results, strict=True
     ):
         assert torch.equal(eager, compiled), f"{name}: max |diff| {(eager - compiled).abs().max()}"
+
+
+def _one_pass_delayed(**kwargs) -> Float8LinearConfig:
+    delayed = CastConfig(scaling_type="delayed")
+    return Float8LinearConfig(
+        cast_config_input=delayed,
+        cast_config_weight=delayed,
+        cast_config_grad_output=delayed,
+        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True),
+        **kwargs,
+    )
+
+
+TRANSPOSE_CASES = [
+    pytest.param(Float8LinearConfig, id="dynamic"),
+    pytest.param(_one_pass_delayed, id="delayed-one-pass"),
+]
+
+
+@pytest.mark.parametrize("make_config", TRANSPOSE_CASES)
+def test_compiled_transpose_kernels_copy_grad_output_in_an_op_of_its_own(make_config, monkeypatch):
+    """compiled_transpose_kernels=("grad_output",): backward casts grad_output once, row-major,
+    and the transpose op copies those bytes column-major for the grad_weight gemm, so that
+    inductor cannot fold the strided store into the cast's kernel. Forward is unchanged; off,
+    no such op is traced. (On the CPU the triton op traces into its torch path: an opaque
+    custom op stands in for it, as benchmarks/saved_by_block.py --opaque-casts does.)"""
+    import fp8train.cast
+    from benchmarks.saved_by_block import _opaque_transpose_op
+
+    monkeypatch.setattr(fp8train.cast, "_transpose_op", _opaque_transpose_op)
+    x = torch.randn(M, K, requires_grad=True)
+    graphs = {}
+    for roles in (False, ("grad_output",)):
+        layer = Float8Linear(K, N, config=make_config(compiled_transpose_kernels=roles))
+        graphs[roles] = _graph_targets(layer, x)
+    op = "saved_by_block.column_major.default"
+    (forward_off, backward_off), (forward_on, backward_on) = graphs.values()
+    assert op not in forward_off + backward_off
+    assert forward_on == forward_off
+    assert backward_on.count(op) == 1
+
+
+@pytest.mark.parametrize("make_config", TRANSPOSE_CASES)
+@pytest.mark.parametrize("opaque", [False, True], ids=["torch-path", "opaque-op"])
+def test_compiled_transpose_kernels_change_no_number(make_config, opaque, monkeypatch):
+    """Inductor, over two steps with delayed scaling's sync in between (its second step casts
+    with recorded scales): the outputs and gradients with the transpose op equal those
+    without, bit for bit, both with the op's torch path (what the CPU traces) and with an
+    opaque op that inductor calls as it calls the GPU's kernel."""
+    import fp8train.cast
+    from benchmarks.saved_by_block import _opaque_transpose_op
+    from fp8train import sync_float8_amax_and_scale_history
+
+    if opaque:
+        monkeypatch.setattr(fp8train.cast, "_transpose_op", _opaque_transpose_op)
+    torch.manual_seed(0)
+    inputs = [torch.randn(M, K) for _ in range(2)]
+    base = Float8Linear(K, N, config=make_config())
+    results = []
+    for roles in (False, ("grad_output",)):
+        layer = copy.deepcopy(base)
+        layer.config = make_config(compiled_transpose_kernels=roles)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True)
+        steps = []
+        for x in inputs:
+            layer.zero_grad()
+            xi = x.clone().requires_grad_()
+            out = compiled(xi)
+            out.square().sum().backward()
+            sync_float8_amax_and_scale_history(layer)
+            steps.append((out.detach(), xi.grad, layer.weight.grad.clone()))
+        results.append(steps)
+    for off, on in zip(*results, strict=True):
+        for name, a, b in zip(("output", "grad_input", "grad_weight"), off, on, strict=True):
+            assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max()}"
+
+
+@pytest.mark.skipif(
+    FLOAT8_GPU_REASON is not None or not HAS_TRITON, reason=str(FLOAT8_GPU_REASON or "Triton")
+)
+@pytest.mark.parametrize("make_config", TRANSPOSE_CASES)
+def test_compiled_transpose_kernels_launch_the_kernel_and_change_no_number(make_config):
+    """On the GPU: inductor's code launches fp8train's transpose kernel, and two bf16 steps
+    (delayed scaling synced in between) give the same outputs and gradients as without it."""
+    from fp8train import sync_float8_amax_and_scale_history
+
+    inputs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    base = Float8Linear(K, N, config=make_config()).cuda().to(torch.bfloat16)
+    results, codes = [], []
+    for roles in (False, ("grad_output",)):
+        layer = copy.deepcopy(base)
+        layer.config = make_config(compiled_transpose_kernels=roles)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True)
+        steps = []
+        for x in inputs:
+            layer.zero_grad()
+            xi = x.clone().requires_grad_()
+
+            def step(xi=xi, compiled=compiled):  # noqa: ANN202
+                out = compiled(xi)
+                out.float().square().sum().backward()
+                return out
+
+            # Compiled afresh (run_and_get_code resets dynamo), not served from a cache, so
+            # that the generated code is seen.
+            with (
+                torch._inductor.config.patch(fx_graph_cache=False),
+                torch._functorch.config.patch(enable_autograd_cache=False),
+            ):
+                out, code = run_and_get_code(step)
+            codes.append("\n".join(code))
+            sync_float8_amax_and_scale_history(layer)
+            steps.append((out.detach(), xi.grad, layer.weight.grad.clone()))
+        results.append(steps)
+    assert "_transpose_kernel" not in codes[0] and "_transpose_kernel" in codes[2]
+    for off, on in zip(*results, strict=True):
+        for name, a, b in zip(("output", "grad_input", "grad_weight"), off, on, strict=True):
+            assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max()}"
+
+
+def test_compiled_transpose_kernels_keep_what_a_block_keeps_without_them(monkeypatch):
+    """A compiled LLaMA-style block (one-pass delayed scaling, the case the copies are for)
+    keeps for backward exactly what it keeps without them, even with every role named, with
+    the op as opaque as the GPU's kernel: grad_output exists in backward only, and the
+    inputs' and weights' casts that backward remakes ask for one layout each, which the op
+    leaves to inductor."""
+    import fp8train.cast
+    from benchmarks.saved_by_block import _opaque_transpose_op, describe
+    from fp8train.models import TransformerBlock, rotary_cos_sin
+
+    monkeypatch.setattr(fp8train.cast, "_transpose_op", _opaque_transpose_op)
+
+    args = ModelArgs(dim=64, n_heads=2, ffn_dim=176, max_seq_len=96)
+    torch.manual_seed(0)
+    bf16 = TransformerBlock(args).to(torch.bfloat16)
+    x = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_cos_sin(96, 32, 10000.0, x.device)
+    off, on = (
+        describe(saved_by_backward(block, x, cos, sin), block)
+        for block in (
+            convert_to_float8_training(
+                copy.deepcopy(bf16), config=_one_pass_delayed(compiled_transpose_kernels=roles)
+            )
+            for roles in (False, True)
+        )
+    )
+    assert on == off
 
 
 def test_default_input_policy_keeps_the_float8_input_of_a_layer_alone():

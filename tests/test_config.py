@@ -116,6 +116,25 @@ def test_compiled_cast_kernels_rejects_what_is_not_a_collection_of_roles(bad):
         Float8LinearConfig(compiled_cast_kernels=bad)
 
 
+def test_compiled_transpose_kernels_names_roles():
+    assert Float8LinearConfig().compiled_transpose_kernels == frozenset()
+    assert Float8LinearConfig(compiled_transpose_kernels=True).compiled_transpose_kernels == set(
+        Role
+    )
+    some = Float8LinearConfig(compiled_transpose_kernels=["grad_output"])
+    assert some.compiled_transpose_kernels == {Role.GRAD_OUTPUT}
+    assert some == Float8LinearConfig(compiled_transpose_kernels=(Role.GRAD_OUTPUT,))
+    assert some.compiled_cast_kernels == frozenset()
+    hash(some)
+
+
+@pytest.mark.parametrize("bad", ["grad_output", 2.0, ("gradient",)])
+def test_compiled_transpose_kernels_rejects_what_is_not_a_collection_of_roles(bad):
+    message = r"compiled_transpose_kernels=.*\('grad_output',\)|is not a Role.*'grad_output'"
+    with pytest.raises(ValueError, match=message):
+        Float8LinearConfig(compiled_transpose_kernels=bad)
+
+
 def test_cast_config_rejects_a_role_outside_the_gemm():
     with pytest.raises(ValueError, match="weight is not an operand of the grad_weight gemm"):
         Float8LinearConfig().cast_config(Role.WEIGHT, Gemm.GRAD_WEIGHT)

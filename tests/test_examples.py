@@ -33,6 +33,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
         "tensorwise-delayed",
         "tensorwise-delayed-one-pass",
         "tensorwise-delayed-tied",
+        "tensorwise-delayed-one-pass-tied-transpose",
         "tensorwise-cast-kernels",
         "tensorwise-cast-kernels-no-input",
         "tensorwise-keep-hp-input",
@@ -48,6 +49,9 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
     # Tied input scales change no number (eager mode shares the input's cast either way).
     by_name = {row["config"]: row for row in rows}
     assert by_name["tensorwise-delayed-tied"]["losses"] == by_name["tensorwise-delayed"]["losses"]
+    # So do the transpose kernels, which only compiled code uses.
+    transposed = by_name["tensorwise-delayed-one-pass-tied-transpose"]["losses"]
+    assert transposed == by_name["tensorwise-delayed-one-pass"]["losses"]
     assert plot.stat().st_size > 0
     assert json.loads((tmp_path / "runs.json").read_text())["runs"][1]["config"] == "tensorwise"
     table = capsys.readouterr().out

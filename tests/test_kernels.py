@@ -21,6 +21,7 @@ from fp8train.kernels import (
     HAS_TRITON,
     amax_partials_2d,
     cast_2d,
+    column_major_2d,
     empty_scalar,
     partials_count,
     quantize_2d,
@@ -112,6 +113,40 @@ def test_saturated_cast_op_passes_opcheck(device, row, col, record):
             continue
         assert (out.t() if column_major else out).is_contiguous()
         assert torch.equal(_bytes(out), _bytes(_saturated_cast(hp, scale, torch.float8_e4m3fn)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("float8_dtype", FLOAT8, ids=str)
+@pytest.mark.parametrize("shape", [(33, 65), (1, 16), (16, 1)], ids=str)
+def test_column_major_op_passes_opcheck_and_copies_the_bytes(device, float8_dtype, shape):
+    data = (torch.randn(shape, device=device) * 100).to(float8_dtype)
+    before = data.clone()
+    # Not test_schema: it compares the float8 input before and after with arithmetic that
+    # torch does not implement for float8 on the CPU. The op mutates nothing either way.
+    tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.fp8train.column_major.default, (data,), test_utils=tests)
+    assert torch.equal(_bytes(data), _bytes(before))
+    out = torch.ops.fp8train.column_major(data)
+    assert out.shape == data.shape and out.dtype == float8_dtype and out.t().is_contiguous()
+    assert torch.equal(_bytes(out.t().contiguous()), _bytes(data.t().contiguous()))
+
+
+@needs_triton_gpu
+@pytest.mark.parametrize("shape", [*SHAPES, (0, 8), (64, 64), (63, 65), (8193, 127)], ids=str)
+@pytest.mark.parametrize("float8_dtype", FLOAT8, ids=str)
+def test_transpose_kernel_copies_every_byte_column_major(shape, float8_dtype):
+    # Every bit pattern, NaNs included: the kernel moves bytes, it converts nothing.
+    data = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(float8_dtype)
+    out = column_major_2d(data)
+    assert out.shape == data.shape and out.t().is_contiguous()
+    assert torch.equal(_bytes(out.t().contiguous()), _bytes(data.t().contiguous()))
+
+
+def test_transpose_kernel_refuses_what_it_cannot_copy():
+    with pytest.raises(ValueError, match="2-D tensor of 1-byte elements"):
+        column_major_2d(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="row-major"):
+        column_major_2d(torch.zeros(4, 6, dtype=torch.uint8).t())
 
 
 @pytest.mark.parametrize("device", DEVICES)

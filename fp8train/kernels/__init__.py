@@ -8,11 +8,13 @@ with the neighbouring ops, unless Float8LinearConfig.compiled_cast_kernels asks 
 
 from fp8train.kernels.amax import amax_partials_2d, partials_count
 from fp8train.kernels.cast import HAS_TRITON, cast_2d, empty_2d, empty_scalar, quantize_2d
+from fp8train.kernels.transpose import column_major_2d
 
 __all__ = [
     "HAS_TRITON",
     "amax_partials_2d",
     "cast_2d",
+    "column_major_2d",
     "empty_2d",
     "empty_scalar",
     "partials_count",
