@@ -387,53 +387,13 @@ def test_compiled_transpose_kernels_copy_grad_output_in_an_op_of_its_own(make_co
     assert backward_on.count(op) == 1
 
 
-@pytest.mark.parametrize("make_config", TRANSPOSE_CASES)
-@pytest.mark.parametrize("opaque", [False, True], ids=["torch-path", "opaque-op"])
-def test_compiled_transpose_kernels_change_no_number(make_config, opaque, monkeypatch):
-    """Inductor, over two steps with delayed scaling's sync in between (its second step casts
-    with recorded scales): the outputs and gradients with the transpose op equal those
-    without, bit for bit, both with the op's torch path (what the CPU traces) and with an
-    opaque op that inductor calls as it calls the GPU's kernel."""
-    import fp8train.cast
-    from benchmarks.saved_by_block import _opaque_transpose_op
+def _same_steps_with_and_without_transposes(base, make_config, inputs, capture_code=False):  # noqa: ANN001, ANN201
+    """Two compiled steps of copies of `base`, without and with compiled_transpose_kernels=
+    ("grad_output",), delayed scaling synced after each: asserts that their outputs and
+    gradients are equal, bit for bit; returns the code inductor generated in each step
+    (with `capture_code`; compiled afresh, not served from a cache, so that it is seen)."""
     from fp8train import sync_float8_amax_and_scale_history
 
-    if opaque:
-        monkeypatch.setattr(fp8train.cast, "_transpose_op", _opaque_transpose_op)
-    torch.manual_seed(0)
-    inputs = [torch.randn(M, K) for _ in range(2)]
-    base = Float8Linear(K, N, config=make_config())
-    results = []
-    for roles in (False, ("grad_output",)):
-        layer = copy.deepcopy(base)
-        layer.config = make_config(compiled_transpose_kernels=roles)
-        torch._dynamo.reset()
-        compiled = torch.compile(layer, fullgraph=True)
-        steps = []
-        for x in inputs:
-            layer.zero_grad()
-            xi = x.clone().requires_grad_()
-            out = compiled(xi)
-            out.square().sum().backward()
-            sync_float8_amax_and_scale_history(layer)
-            steps.append((out.detach(), xi.grad, layer.weight.grad.clone()))
-        results.append(steps)
-    for off, on in zip(*results, strict=True):
-        for name, a, b in zip(("output", "grad_input", "grad_weight"), off, on, strict=True):
-            assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max()}"
-
-
-@pytest.mark.skipif(
-    FLOAT8_GPU_REASON is not None or not HAS_TRITON, reason=str(FLOAT8_GPU_REASON or "Triton")
-)
-@pytest.mark.parametrize("make_config", TRANSPOSE_CASES)
-def test_compiled_transpose_kernels_launch_the_kernel_and_change_no_number(make_config):
-    """On the GPU: inductor's code launches fp8train's transpose kernel, and two bf16 steps
-    (delayed scaling synced in between) give the same outputs and gradients as without it."""
-    from fp8train import sync_float8_amax_and_scale_history
-
-    inputs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    base = Float8Linear(K, N, config=make_config()).cuda().to(torch.bfloat16)
     results, codes = [], []
     for roles in (False, ("grad_output",)):
         layer = copy.deepcopy(base)
@@ -450,21 +410,54 @@ def test_compiled_transpose_kernels_launch_the_kernel_and_change_no_number(make_
                 out.float().square().sum().backward()
                 return out
 
-            # Compiled afresh (run_and_get_code resets dynamo), not served from a cache, so
-            # that the generated code is seen.
-            with (
-                torch._inductor.config.patch(fx_graph_cache=False),
-                torch._functorch.config.patch(enable_autograd_cache=False),
-            ):
-                out, code = run_and_get_code(step)
-            codes.append("\n".join(code))
+            if capture_code:
+                with (
+                    torch._inductor.config.patch(fx_graph_cache=False),
+                    torch._functorch.config.patch(enable_autograd_cache=False),
+                ):
+                    out, code = run_and_get_code(step)  # resets dynamo: compiles afresh
+                codes.append("\n".join(code))
+            else:
+                out = step()
             sync_float8_amax_and_scale_history(layer)
             steps.append((out.detach(), xi.grad, layer.weight.grad.clone()))
         results.append(steps)
-    assert "_transpose_kernel" not in codes[0] and "_transpose_kernel" in codes[2]
     for off, on in zip(*results, strict=True):
         for name, a, b in zip(("output", "grad_input", "grad_weight"), off, on, strict=True):
             assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max()}"
+    return codes
+
+
+@pytest.mark.parametrize("make_config", TRANSPOSE_CASES)
+@pytest.mark.parametrize("opaque", [False, True], ids=["torch-path", "opaque-op"])
+def test_compiled_transpose_kernels_change_no_number(make_config, opaque, monkeypatch):
+    """Inductor, over two steps with delayed scaling's sync in between (its second step casts
+    with recorded scales): the outputs and gradients with the transpose op equal those
+    without, bit for bit, both with the op's torch path (what the CPU traces) and with an
+    opaque op that inductor calls as it calls the GPU's kernel."""
+    import fp8train.cast
+    from benchmarks.saved_by_block import _opaque_transpose_op
+
+    if opaque:
+        monkeypatch.setattr(fp8train.cast, "_transpose_op", _opaque_transpose_op)
+    inputs = [torch.randn(M, K) for _ in range(2)]
+    _same_steps_with_and_without_transposes(
+        Float8Linear(K, N, config=make_config()), make_config, inputs
+    )
+
+
+@pytest.mark.skipif(
+    FLOAT8_GPU_REASON is not None or not HAS_TRITON, reason=str(FLOAT8_GPU_REASON or "Triton")
+)
+@pytest.mark.parametrize("make_config", TRANSPOSE_CASES)
+def test_compiled_transpose_kernels_launch_the_kernel_and_change_no_number(make_config):
+    """On the GPU: inductor's code launches fp8train's transpose kernel, and two bf16 steps
+    (delayed scaling synced in between) give the same outputs and gradients as without it."""
+    inputs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    base = Float8Linear(K, N, config=make_config()).cuda().to(torch.bfloat16)
+    codes = _same_steps_with_and_without_transposes(base, make_config, inputs, capture_code=True)
+    # codes: off's two steps, then on's.
+    assert "_transpose_kernel" not in codes[0] and "_transpose_kernel" in codes[2]
 
 
 def test_compiled_transpose_kernels_keep_what_a_block_keeps_without_them(monkeypatch):
