@@ -347,6 +347,19 @@ def test_compiled_cast_kernels_match_eager_bit_for_bit(device):
         assert torch.equal(eager, compiled), f"{name}: max |diff| {(eager - compiled).abs().max()}"
 
 
+def _small_block() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bf16 LLaMA-style block small enough to compile with inductor on the CPU in seconds,
+    its input and its rotary tables."""
+    from fp8train.models import TransformerBlock, rotary_cos_sin
+
+    args = ModelArgs(dim=64, n_heads=2, ffn_dim=176, max_seq_len=96)
+    torch.manual_seed(0)
+    bf16 = TransformerBlock(args).to(torch.bfloat16)
+    x = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_cos_sin(96, 32, 10000.0, x.device)
+    return bf16, x, cos, sin
+
+
 def _one_pass_delayed(**kwargs) -> Float8LinearConfig:
     delayed = CastConfig(scaling_type="delayed")
     return Float8LinearConfig(
@@ -468,15 +481,9 @@ def test_compiled_transpose_kernels_keep_what_a_block_keeps_without_them(monkeyp
     leaves to inductor."""
     import fp8train.cast
     from benchmarks.saved_by_block import _opaque_transpose_op, describe
-    from fp8train.models import TransformerBlock, rotary_cos_sin
 
     monkeypatch.setattr(fp8train.cast, "_transpose_op", _opaque_transpose_op)
-
-    args = ModelArgs(dim=64, n_heads=2, ffn_dim=176, max_seq_len=96)
-    torch.manual_seed(0)
-    bf16 = TransformerBlock(args).to(torch.bfloat16)
-    x = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = rotary_cos_sin(96, 32, 10000.0, x.device)
+    bf16, x, cos, sin = _small_block()
     off, on = (
         describe(saved_by_backward(block, x, cos, sin), block)
         for block in (
@@ -665,14 +672,9 @@ def test_cast_kernels_for_weights_and_gradients_keep_what_inductors_casts_keep(m
     the GPU's triton ops (benchmarks/saved_by_block.py --opaque-casts)."""
     import fp8train.cast
     from benchmarks.saved_by_block import _opaque_cast_ops, describe
-    from fp8train.models import TransformerBlock, rotary_cos_sin
 
     monkeypatch.setattr(fp8train.cast, "_cast_ops", _opaque_cast_ops)
-    args = ModelArgs(dim=64, n_heads=2, ffn_dim=176, max_seq_len=96)
-    torch.manual_seed(0)
-    bf16 = TransformerBlock(args).to(torch.bfloat16)
-    x = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = rotary_cos_sin(96, 32, 10000.0, x.device)
+    bf16, x, cos, sin = _small_block()
     kept = {}
     for roles in (False, True, ("weight", "grad_output")):
         config = Float8LinearConfig(compiled_cast_kernels=roles)
@@ -689,14 +691,9 @@ def test_inductor_recasts_every_input_of_a_llama_block_in_backward():
     output, SwiGLU's halves) and recast there, so float8 keeps less than bf16 and nothing that
     bf16 does not keep too (benchmarks/saved_by_block.py; the end-to-end peak analysis)."""
     from benchmarks.saved_by_block import describe
-    from fp8train.models import TransformerBlock, rotary_cos_sin
 
-    args = ModelArgs(dim=64, n_heads=2, ffn_dim=176, max_seq_len=96)
-    torch.manual_seed(0)
-    bf16 = TransformerBlock(args).to(torch.bfloat16)
+    bf16, x, cos, sin = _small_block()
     fp8 = convert_to_float8_training(copy.deepcopy(bf16))
-    x = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = rotary_cos_sin(96, 32, 10000.0, x.device)
     kept = {
         name: describe(saved_by_backward(block, x, cos, sin), block)
         for name, block in (("bf16", bf16), ("fp8", fp8))
