@@ -69,7 +69,7 @@ def interpreted() -> None:
             and torch.equal(slots[4], inverse)
             and torch.equal(slots[8:], partials),
         }
-        if row.numel():  # every byte value, NaN patterns included, tiles cut at the edges
+        if hp.numel():  # every byte value, NaN patterns included, tiles cut at the edges
             data = torch.randint(0, 256, shape, dtype=torch.uint8).view(E4M3)
             copy = column_major_2d(data)
             checks["transpose: column-major bytes"] = copy.t().is_contiguous() and torch.equal(

@@ -92,7 +92,7 @@ def _(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row: bool, col:
 
 @torch.library.custom_op("saved_by_block::column_major", mutates_args=())
 def _column_major(data: torch.Tensor) -> torch.Tensor:
-    return fp8train.cast._column_major(data).clone()
+    return fp8train.cast.column_major_copy(data)
 
 
 @_column_major.register_fake

@@ -389,8 +389,12 @@ def _column_major_op(data: torch.Tensor) -> torch.Tensor:
     inputs (Float8LinearConfig.compiled_transpose_kernels)."""
     if data.is_cuda and HAS_TRITON:
         return column_major_2d(data.contiguous(), traced=True)
-    # A fresh tensor even where `data` is column-major too (one row or one column): an op's
-    # output must not alias its input.
+    return column_major_copy(data)
+
+
+def column_major_copy(data: torch.Tensor) -> torch.Tensor:
+    """A column-major copy of the 2-D `data` with torch: a fresh tensor even where `data` is
+    column-major too (one row or one column), as an op's output must not alias its input."""
     return data.t().clone(memory_format=torch.contiguous_format).t()
 
 
