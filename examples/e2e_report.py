@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 
 import torch
 
@@ -170,12 +171,23 @@ def _figure():  # noqa: ANN202
     return plt.subplots(figsize=(7, 4))
 
 
+CAPTION_POINTS = 6
+CAPTION_CHARACTERS_PER_LINE = 150  # at 6 points, about what a 7-inch figure holds
+
+
 def _save(figure, path: str, caption: str) -> None:  # noqa: ANN001
     """Write `figure` to `path`, with `caption` (GPU, torch, date, command) under the axes
-    and as the PNG's own text, readable without looking at the picture."""
+    and as the PNG's own text, readable without looking at the picture. The figure grows by
+    the caption's lines, so that a long command (many files) stays clear of the axes."""
+    bottom = 0.0
     if caption:
-        figure.text(0.01, 0.01, caption, fontsize=6, wrap=True)
-    figure.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
+        lines = textwrap.wrap(caption, CAPTION_CHARACTERS_PER_LINE, break_on_hyphens=False)
+        room = (len(lines) + 1) * CAPTION_POINTS * 1.3 / 72  # inches, a blank line above
+        height = figure.get_figheight()
+        figure.set_figheight(height + room)
+        bottom = room / (height + room)
+        figure.text(0.01, 0.01, "\n".join(lines), fontsize=CAPTION_POINTS, va="bottom")
+    figure.tight_layout(rect=(0, bottom, 1, 1))
     figure.savefig(path, dpi=150, metadata={"Description": caption} if caption else None)
 
 

@@ -354,6 +354,33 @@ def test_a_plot_over_several_files_is_captioned_with_their_machines_and_its_comm
     assert caption.endswith("--summarize-json a.json b.json")
 
 
+@pytest.mark.parametrize("files", [1, 40])
+def test_a_long_caption_stays_below_the_axes_and_their_labels(tmp_path, monkeypatch, files):
+    # A --summarize-json over many files makes a caption of many lines: it must not run
+    # into the tick labels (the configs' names) or the axes.
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    caption = "NVIDIA H100 | torch 2.11.0 | 2026-12-06 | python -m examples.train_llama "
+    caption += " ".join(f"results/run_{i}/warm100_s{i}.json" for i in range(files))
+    rows = [
+        {"config": config, "seed": seed, "val_loss": 2.0 + 0.01 * seed * (config != "bf16"),
+         "final_train_loss": 2.0, "tokens_per_s": 1.0, "peak_memory_gib": 1.0, "losses": [2.0] * 20}
+        for seed in range(3) for config in ("bf16", "tensorwise")
+    ]  # fmt: skip
+    e2e_report.plot_differences(rows, "bf16", str(tmp_path / "d.png"), caption)
+    e2e_report.plot(rows, str(tmp_path / "c.png"), caption)
+    for figure in saved:
+        renderer = figure.canvas.get_renderer()
+        (axes,) = figure.axes
+        (text,) = figure.texts
+        assert text.get_window_extent(renderer).y1 < axes.get_tightbbox(renderer).y0
+        assert text.get_window_extent(renderer).y0 >= 0
+        assert text.get_text().replace("\n", " ") == caption
+
+
 def test_the_nudged_baseline_moves_every_weight_by_a_bf16_ulp_and_is_labelled_by_dtype(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     for dtype in (torch.float32, torch.bfloat16):
