@@ -176,17 +176,9 @@ def blocks_part():
             torch.cuda.synchronize()
         kinds: dict[str, int] = {}
         for event in p.key_averages():
-            if event.self_device_time_total <= 0:
-                continue
-            kind = (
-                "fp8train cast" if "_cast_kernel" in event.key
-                else "fp8train amax" if "_amax_partials_kernel" in event.key
-                else "fp8train transpose" if "_transpose_kernel" in event.key
-                else "inductor reduction" if event.key.startswith(("triton_red", "triton_per"))
-                else "inductor pointwise" if event.key.startswith("triton_poi")
-                else "other (gemms, attention, copies)"
-            )  # fmt: skip
-            kinds[kind] = kinds.get(kind, 0) + event.count
+            if is_kernel(event):
+                kind = kernel_kind(event.key)
+                kinds[kind] = kinds.get(kind, 0) + event.count
         print(f"\n##### blocks {name}: peak {peak:.2f} GiB, launches per step {kinds}")
         top(step, n=12, steps=1)
 
