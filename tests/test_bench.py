@@ -420,3 +420,43 @@ def test_offline_kernel_check_without_triton_says_what_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_triton)
     with pytest.raises(SystemExit, match="pip install triton"):
         main()
+
+
+GENERATED_REDUCTION = """
+@triton_heuristics.reduction(
+    size_hints={'x': 2048, 'r0_': 2048},
+)
+@triton.jit
+def Placeholder.KERNEL_NAME(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr):
+    xnumel = 2048
+    r0_numel = 1792
+"""
+
+
+def test_kernel_instructions_reads_a_generated_kernels_kind_and_size():
+    from benchmarks.kernel_instructions import _kind, _numel
+
+    assert _kind(GENERATED_REDUCTION) == "reduction"
+    assert _numel(GENERATED_REDUCTION) == 2048 * 1792
+    tiled = "@triton_heuristics.pointwise(\n    ynumel = 64\n    xnumel = 32\n  YBLOCK"
+    assert _kind(tiled) == "tiled pointwise" and _numel(tiled) == 64 * 32
+
+
+def test_kernel_instructions_counts_the_ptx_of_a_blocks_backward(capsys):
+    # Needs Triton beside the CPU build of torch; CI installs none, so this runs where it is.
+    pytest.importorskip("triton")
+    import argparse
+
+    from benchmarks.kernel_instructions import add_arguments, main
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--dim", "64", "--ffn-dim", "192", "--tokens", "64", "--configs",
+                              "bf16", "tensorwise"])  # fmt: skip
+    tables = main(args)
+    # SwiGLU's backward: one kernel with exp in bf16; float8 adds its casts' kernels.
+    assert any(row["exp"] for row in tables["bf16"])
+    assert all(row["per element"] > 0 for rows in tables.values() for row in rows)
+    total = {name: sum(r["M instructions"] for r in rows) for name, rows in tables.items()}
+    assert total["tensorwise"] > total["bf16"]
+    assert "##### tensorwise: backward's kernels" in capsys.readouterr().out
