@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import importlib.util
+import math
 import re
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.saved_by_block import CONFIGS
+from benchmarks.saved_by_block import CONFIGS, block_and_inputs, configured
 from benchmarks.utils import markdown_table, print_environment
-from fp8train import convert_to_float8_training, sync_float8_amax_and_scale_history
-from fp8train.models import ModelArgs, TransformerBlock, rotary_cos_sin, tie_shared_delayed_inputs
+from fp8train import sync_float8_amax_and_scale_history
+from fp8train.models import ModelArgs
 
 BLOCKS = {
     "pointwise": ({"XBLOCK": 1024}, 4),
@@ -97,8 +97,8 @@ def _kind(source: str) -> str:
 
 
 def _numel(source: str) -> int:
-    sizes = [int(n) for n in re.findall(r"^\s+[xyr]0?_?numel = (\d+)$", source, re.M)]
-    return int(torch.tensor(sizes).prod()) if sizes else 0
+    sizes = re.findall(r"^\s+[xyr]0?_?numel = (\d+)$", source, re.M)
+    return math.prod(int(n) for n in sizes) if sizes else 0
 
 
 def ptx_instructions(source: str) -> tuple[int, float] | None:
@@ -108,13 +108,10 @@ def ptx_instructions(source: str) -> tuple[int, float] | None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kind = _kind(source)
-    constants, warps = BLOCKS[kind]
-    if "R0_BLOCK" not in source and kind == "reduction":
-        return None  # a persistent reduction: its block is the whole row
+    constants, warps = BLOCKS[_kind(source)]
     signature = eval(re.search(r"'signature': (\{[^}]*\})", source).group(1))  # noqa: S307
     if any(name not in signature for name in constants):
-        return None
+        return None  # a persistent reduction: its block is the whole row, no R0_BLOCK
     body = source[source.index("@triton.jit") :].replace("Placeholder.KERNEL_NAME", "kernel")
     header = source[: source.index("@triton_heuristics")].replace(
         "triton_helpers.set_driver_to_cpu()", ""
@@ -132,10 +129,7 @@ def ptx_instructions(source: str) -> tuple[int, float] | None:
         )
     lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
     count = sum(1 for line in lines if line.endswith(";") and not line.startswith((".", "//")))
-    elements = 1
-    for value in constants.values():
-        elements *= value
-    return count, count / (elements / (warps * 32))
+    return count, count / (math.prod(constants.values()) / (warps * 32))
 
 
 def describe(sources: list[str]) -> list[dict]:
@@ -168,19 +162,11 @@ def main(args: argparse.Namespace) -> dict[str, list[dict]]:
     block_args = ModelArgs(
         dim=args.dim, n_heads=args.heads, ffn_dim=args.ffn_dim, max_seq_len=args.tokens
     )
-    torch.manual_seed(0)
-    base = TransformerBlock(block_args).to(torch.bfloat16)
-    x = torch.randn(1, args.tokens, args.dim, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = rotary_cos_sin(args.tokens, args.dim // args.heads, 10000.0, x.device)
+    base, inputs = block_and_inputs(block_args, args.tokens)
     tables = {}
     for name in args.configs:
-        block = copy.deepcopy(base)
-        if CONFIGS[name] is not None:
-            convert_to_float8_training(block, config=CONFIGS[name])
-        if name.endswith(" tied"):
-            tie_shared_delayed_inputs(block)
         steps = 2 if "delayed" in name else 1
-        rows = describe(generated_backward_kernels(block, steps, x, cos, sin))
+        rows = describe(generated_backward_kernels(configured(base, name), steps, *inputs))
         total = sum(row["M instructions"] for row in rows)
         print(f"\n##### {name}: backward's kernels, {total:.1f} M instructions in all")
         print(markdown_table(rows))

@@ -171,6 +171,29 @@ def describe(saved: list[torch.Tensor], block: torch.nn.Module) -> dict:
     }
 
 
+def block_and_inputs(
+    block_args: ModelArgs, tokens: int, device: str = "cpu"
+) -> tuple[TransformerBlock, tuple[torch.Tensor, ...]]:
+    """A bf16 block (seeded) and its inputs (x, cos, sin) for `tokens` tokens."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    base = TransformerBlock(block_args).to(device, dtype)
+    x = torch.randn(1, tokens, block_args.dim, device=device, dtype=dtype, requires_grad=True)
+    head_dim = block_args.dim // block_args.n_heads
+    cos, sin = rotary_cos_sin(tokens, head_dim, 10000.0, x.device)
+    return base, (x, cos, sin)
+
+
+def configured(base: TransformerBlock, name: str) -> TransformerBlock:
+    """A copy of `base` converted as CONFIGS[name] says."""
+    block = copy.deepcopy(base)
+    if CONFIGS[name] is not None:
+        convert_to_float8_training(block, config=CONFIGS[name])
+    if name.endswith(" tied"):  # wq/wk/wv and w1/w3 share one delayed input state
+        tie_shared_delayed_inputs(block)
+    return block
+
+
 def main(args: argparse.Namespace) -> list[dict]:
     if args.opaque_casts:
         fp8train.cast._cast_ops = _opaque_cast_ops
@@ -184,19 +207,11 @@ def main(args: argparse.Namespace) -> list[dict]:
         float8_swiglu=args.float8_swiglu or args.float8_swiglu_exact,
         float8_swiglu_exact_forward=args.float8_swiglu_exact,
     )
-    torch.manual_seed(0)
-    dtype = torch.bfloat16
-    base = TransformerBlock(block_args).to(args.device, dtype)
-    x = torch.randn(1, args.tokens, args.dim, device=args.device, dtype=dtype, requires_grad=True)
-    cos, sin = rotary_cos_sin(args.tokens, args.dim // args.heads, 10000.0, x.device)
+    base, inputs = block_and_inputs(block_args, args.tokens, args.device)
     rows = []
     for name in args.configs:
-        block = copy.deepcopy(base)
-        if CONFIGS[name] is not None:
-            convert_to_float8_training(block, config=CONFIGS[name])
-        if name.endswith(" tied"):  # wq/wk/wv and w1/w3 share one delayed input state
-            tie_shared_delayed_inputs(block)
-        rows.append({"config": name, **describe(saved_by_backward(block, x, cos, sin), block)})
+        block = configured(base, name)
+        rows.append({"config": name, **describe(saved_by_backward(block, *inputs), block)})
     print(markdown_table(rows))
     return rows
 
