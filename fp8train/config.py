@@ -315,7 +315,10 @@ class Float8LinearConfig:
     would keep is a kernel, so the block keeps what it keeps without the kernels."""
 
     compiled_transpose_kernels: bool | frozenset[Role] = False
-    """Experimental, not yet measured on a GPU. Under torch.compile, where one cast of a role
+    """Experimental, and measured no faster (H100: the casts took 0.21 ms more a step, the
+    model 1.345x bf16's tokens/s against 1.358x without it,
+    benchmarks/results/e2e_transpose_h100_2026-12-06.md: the kernel below is bound by its
+    instructions, not its stores). Under torch.compile, where one cast of a role
     writes both layouts (grad_output's: row-major for grad_input, column-major for
     grad_weight), inductor's kernel writes the row-major float8 bytes only and fp8train's
     transpose kernel (a triton op, fp8train.kernels.transpose) copies them column-major, in

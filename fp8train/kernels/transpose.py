@@ -9,6 +9,10 @@ twice bf16's time for the same bytes (benchmarks/results/e2e_loop_h100_2026-12-0
 Float8LinearConfig.compiled_transpose_kernels lets that kernel write the row-major bytes only
 and makes the column-major copy here, from those bytes, in square tiles whose loads and stores
 are both contiguous runs: 2 more bytes of traffic per element, with no strided store.
+Measured on the H100 it saves inductor's kernel less than the copy costs
+(benchmarks/results/e2e_transpose_h100_2026-12-06.md): that kernel is bound by the
+instructions it issues, not by its stores
+(benchmarks/results/kernel_instructions_cpu_2026-12-06.md).
 
 The bytes are copied, never converted: the copy is the row-major tensor's, bit for bit.
 """
