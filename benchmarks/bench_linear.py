@@ -62,6 +62,7 @@ from fp8train import (
     compute_error,
     sync_float8_amax_and_scale_history,
 )
+from fp8train.inductor import uninstall_satfinite_pass
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 try:
@@ -157,9 +158,12 @@ def bench_shape(
     scaling="dynamic",
     cast_kernels=None,
     compile_mode="default",
+    saturation="satfinite",
 ):  # noqa: ANN001, ANN201, PLR0913
     """One row; `cast_kernels`: a key of COMPILED_CASTS, or None for inductor's casts;
-    `compile_mode`: torch.compile's mode for every layer of a compiled row."""
+    `compile_mode`: torch.compile's mode for every layer of a compiled row; `saturation`:
+    "clamp" compiles fp8train's casts with their clamp (Float8LinearConfig.compiled_satfinite
+    off, fp8train.inductor's pass uninstalled)."""
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
     if scaling.startswith("delayed"):
@@ -174,7 +178,12 @@ def bench_shape(
     if cast_kernels:
         config = dataclasses.replace(config, compiled_cast_kernels=COMPILED_CASTS[cast_kernels])
         recipe = f"{recipe}+cast-{cast_kernels}"
+    if saturation == "clamp":
+        config = dataclasses.replace(config, compiled_satfinite=False)
+        recipe = f"{recipe}+clamp"
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
+    if saturation == "clamp":
+        uninstall_satfinite_pass()  # a layer of an earlier row installed it
     layers = {"ref": ref, "fp8": fp8_layer}
     # torchao.float8's rowwise recipes need CUDA's rowwise scaled gemm: on another device
     # only its tensorwise recipe runs beside ours.
@@ -323,6 +332,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the kernels for the weight and grad_output only, the input's cast inductor's",
     )
     parser.add_argument(
+        "--saturation",
+        nargs="+",
+        default=["satfinite"],
+        choices=["satfinite", "clamp"],
+        help="compiled rows: leave the casts' saturation to Triton's conversion (the default, "
+        "Float8LinearConfig.compiled_satfinite), or clamp first as the casts are written",
+    )
+    parser.add_argument(
         "--cast-tile",
         nargs=3,
         type=int,
@@ -369,13 +386,17 @@ def main(args: argparse.Namespace) -> None:
     kernels = [casts if casts in COMPILED_CASTS else None for casts in args.compiled_casts]
     modes = [(False, "default")] * (False in compiled)
     modes += [(True, mode) for mode in args.compile_mode] * (True in compiled)
-    for (name, (m, k, n)), ref, (c, mode), r, (recipe, scaling), kern in itertools.product(
-        shapes.items(), ref_names, modes, recompute, recipes, kernels
+    for (name, (m, k, n)), ref, (c, mode), r, (recipe, scaling), kern, sat in itertools.product(
+        shapes.items(), ref_names, modes, recompute, recipes, kernels, args.saturation
     ):
         if kern and not (c and recipe == "tensorwise"):
             continue  # eager casts are the kernels already; rowwise casts stay inductor's
+        if sat == "clamp" and not c:
+            continue  # eager mode has no inductor pass
         rows.append(
-            bench_shape(name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling, kern, mode)
+            bench_shape(
+                name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling, kern, mode, sat
+            )
         )
         # One line per row as it is timed, so that a run cut short still shows its rows.
         print(", ".join(f"{key}={value}" for key, value in rows[-1].items()), flush=True)

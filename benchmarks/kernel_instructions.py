@@ -34,6 +34,7 @@ import torch
 from benchmarks.saved_by_block import CONFIGS, block_and_inputs, configured
 from benchmarks.utils import markdown_table, print_environment
 from fp8train import sync_float8_amax_and_scale_history
+from fp8train.inductor import install_satfinite_pass, uninstall_satfinite_pass
 from fp8train.models import ModelArgs
 
 BLOCKS = {
@@ -159,6 +160,10 @@ def describe(sources: list[str]) -> list[dict]:
 
 def main(args: argparse.Namespace) -> dict[str, list[dict]]:
     print_environment()
+    if args.satfinite:
+        install_satfinite_pass(any_device=True)
+    else:
+        uninstall_satfinite_pass()
     block_args = ModelArgs(
         dim=args.dim, n_heads=args.heads, ffn_dim=args.ffn_dim, max_seq_len=args.tokens
     )
@@ -181,6 +186,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument(
         "--configs", nargs="+", default=["bf16", "tensorwise"], choices=list(CONFIGS)
+    )
+    parser.add_argument(
+        "--satfinite",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="leave the casts' saturation to Triton's conversion, as fp8train does on a GPU "
+        "(fp8train.inductor; --no-satfinite: the clamp inductor gets from the casts)",
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -59,6 +60,7 @@ from fp8train import (
 )
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize
+from fp8train.inductor import uninstall_satfinite_pass
 from fp8train.models import (
     ModelArgs,
     Transformer,
@@ -96,6 +98,9 @@ CONFIGS = (
     # and grad_output's column-major copy made from its row-major bytes by fp8train's
     # transpose kernel (compiled_transpose_kernels), not in the cast's own kernel
     "tensorwise-delayed-one-pass-tied-transpose",
+    # compiled casts that clamp before converting (Float8LinearConfig.compiled_satfinite off)
+    "tensorwise-clamp",
+    "tensorwise-delayed-one-pass-tied-clamp",
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
     "tensorwise-cast-kernels-no-input",  # the same for weights and gradients, not inputs
     "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
@@ -153,6 +158,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return torchao_float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=keep_lm_head
         )
+    clamp = name.endswith("-clamp")
+    name = name.removesuffix("-clamp")
     if name.startswith("tensorwise-delayed"):
         delayed = CastConfig(scaling_type="delayed")
         config = Float8LinearConfig(
@@ -173,6 +180,9 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
     else:
         config = Float8LinearConfig.from_recipe_name(name)
+    if clamp:
+        config = dataclasses.replace(config, compiled_satfinite=False)
+        uninstall_satfinite_pass()  # a layer of an earlier run installed it
     model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
     return tie_shared_delayed_inputs(model) if "-tied" in name else model
 

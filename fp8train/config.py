@@ -333,6 +333,17 @@ class Float8LinearConfig:
     mode (the eager kernels write both layouts from tiles already). Off CUDA the op copies
     with torch."""
 
+    compiled_satfinite: bool = True
+    """Under torch.compile on CUDA (compute capability 8.9 and later), leave the saturation of
+    fp8train's casts to Triton's float8 conversion, which saturates by itself, instead of
+    clamping first: the same bytes from fewer instructions, in kernels that fused casts make
+    bound by instructions (benchmarks/kernel_instructions.py). It is an inductor post-grad
+    pass (fp8train.inductor), which runs after the partitioner has chosen what backward keeps;
+    building a Float8Linear with this on installs it process-wide in
+    torch._inductor.config.post_grad_custom_post_pass, after any pass already there. It
+    touches only fp8train's own casts. Off: a layer built with it off installs nothing
+    (fp8train.inductor.uninstall_satfinite_pass removes an installed pass)."""
+
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
     element on the wire instead of 2 or 4. Tensorwise e4m3 weight casts (dynamic, delayed or

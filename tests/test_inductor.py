@@ -1,0 +1,294 @@
+"""fp8train.inductor: the post-grad pass that leaves compiled casts' saturation to Triton.
+
+On the CPU the pass is forced on (`any_device=True`) to check what it rewrites and that it
+rewrites nothing else; the bytes it must not change are checked on CUDA, against the same
+compiled code without the pass and against eager mode."""
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import fp8train.inductor
+from fp8train import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    sync_float8_amax_and_scale_history,
+)
+from fp8train.cast import _saturated_cast
+from fp8train.config import E4M3, E5M2
+from fp8train.inductor import (
+    SatfinitePass,
+    drop_saturation_before_float8,
+    install_satfinite_pass,
+    uninstall_satfinite_pass,
+)
+from tests.conftest import FLOAT8_GPU_REASON, all_roles_config
+
+CLAMPS = (torch.ops.aten.clamp_min.default, torch.ops.aten.clamp_max.default)
+
+
+def _clamped_conversions(graph: fx.Graph) -> int:
+    """Conversions to float8 of a clamp's output (directly or through a where's branch)."""
+
+    def clamped(node: object) -> bool:
+        if not isinstance(node, fx.Node):
+            return False
+        if node.target is torch.ops.aten.where.self:
+            return any(clamped(branch) for branch in node.args[1:])
+        return node.target in CLAMPS
+
+    return sum(
+        1
+        for node in graph.nodes
+        if node.target is torch.ops.prims.convert_element_type.default
+        and node.args[1] in (E4M3, E5M2)
+        and clamped(node.args[0])
+    )
+
+
+class Recorder(CustomGraphPass):
+    """Runs the pass on every graph (forced on whatever the device when `force`), recording
+    the clamped conversions before and after and what the pass reports it changed."""
+
+    def __init__(self, force: bool = True) -> None:
+        self.force = force
+        self.before, self.changed, self.after = [], [], []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.before.append(_clamped_conversions(graph))
+        self.changed.append(drop_saturation_before_float8(graph, any_device=self.force))
+        self.after.append(_clamped_conversions(graph))
+
+    def uuid(self) -> str:
+        return f"test-recorder-{id(self)}"
+
+
+def _one_pass_delayed() -> Float8LinearConfig:
+    delayed = CastConfig(scaling_type="delayed")
+    return Float8LinearConfig(
+        cast_config_input=delayed,
+        cast_config_weight=delayed,
+        cast_config_grad_output=delayed,
+        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True),
+    )
+
+
+CONFIGS = [
+    pytest.param(Float8LinearConfig, id="tensorwise"),
+    pytest.param(lambda: all_roles_config("rowwise"), id="rowwise"),
+    pytest.param(_one_pass_delayed, id="delayed-one-pass"),
+]
+
+
+def _train(layer: Float8Linear, x: torch.Tensor, fn, steps: int) -> list[torch.Tensor]:  # noqa: ANN001
+    """`steps` fwd+bwd of `fn` (the layer, compiled or not); the last output and gradients."""
+    for _ in range(steps):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        out.float().square().sum().backward()
+        sync_float8_amax_and_scale_history(layer)
+    return [out.detach(), xi.grad, layer.weight.grad.clone()]
+
+
+@pytest.mark.parametrize("make_config", CONFIGS)
+def test_pass_drops_the_clamp_in_front_of_every_cast(make_config):
+    """Forward and backward: each cast's conversion loses its clamp, and nothing else
+    does. Delayed scaling's casts (a where that turns an inf into NaN, around the clamp) too."""
+    torch._dynamo.reset()
+    layer = Float8Linear(64, 48, config=make_config())
+    x = torch.randn(32, 64)
+    recorder = Recorder()
+    with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+        _train(layer, x, torch.compile(layer, fullgraph=True), steps=2)
+    assert len(recorder.before) >= 2, "no forward and backward graph reached the pass"
+    assert all(n > 0 for n in recorder.before), recorder.before
+    assert recorder.changed == recorder.before
+    assert recorder.after == [0] * len(recorder.after)
+
+
+def test_pass_changes_no_number_of_dynamic_casts_on_the_cpu():
+    """Dynamic scales keep every scaled value within float8's range (up to rounding, which the
+    CPU's conversion rounds back in), so here even the CPU's code must give the same numbers
+    without the clamp: the rewrite changed the conversion's input and nothing else."""
+    x = torch.randn(32, 64)
+    results = []
+    for force in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = Float8Linear(64, 48, config=Float8LinearConfig())
+        recorder = Recorder(force)
+        with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+            results.append(_train(layer, x, torch.compile(layer, fullgraph=True), steps=1))
+        assert (sum(recorder.changed) > 0) == force
+    for name, a, b in zip(("output", "grad_input", "grad_weight"), *results, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_pass_leaves_casts_that_are_not_fp8trains_alone():
+    """The same clamp and conversion written outside fp8train (by another float8 library,
+    say) stays as it is."""
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2.0).clamp(-448.0, 448.0).to(E4M3)
+
+    torch._dynamo.reset()
+    recorder = Recorder()
+    with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+        torch.compile(cast, fullgraph=True)(torch.randn(16, 16))
+    assert recorder.before == [1]
+    assert recorder.changed == [0]
+
+
+def test_pass_needs_a_device_whose_conversion_saturates():
+    """Not forced, the pass leaves CPU code alone: the CPU's conversion turns an overflow into
+    NaN."""
+    torch._dynamo.reset()
+    layer = Float8Linear(64, 48, config=Float8LinearConfig())
+    recorder = Recorder(force=False)
+    with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+        _train(layer, torch.randn(32, 64), torch.compile(layer, fullgraph=True), steps=1)
+    assert all(n > 0 for n in recorder.before)
+    assert recorder.changed == [0] * len(recorder.changed)
+
+
+def _one_cast_graph(low: float, high: float, dtype: torch.dtype) -> fx.Graph:
+    """clamp_min, clamp_max and a conversion, with an fp8train stack trace and fp32 values."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    low_node = graph.call_function(torch.ops.aten.clamp_min.default, (x, low))
+    high_node = graph.call_function(torch.ops.aten.clamp_max.default, (low_node, high))
+    out = graph.call_function(torch.ops.prims.convert_element_type.default, (high_node, dtype))
+    graph.output(out)
+    for node in (x, low_node, high_node):
+        node.meta["val"] = torch.empty(4)
+        node.meta["stack_trace"] = f'File "{fp8train.inductor._PACKAGE}/cast.py", line 1'
+    return graph
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "dtype", "rewritten"),
+    [
+        (-448.0, 448.0, E4M3, True),
+        (-57344.0, 57344.0, E5M2, True),
+        (-400.0, 400.0, E4M3, False),  # narrower than the type: the clamp changes values
+        (-448.0, 448.0, E5M2, False),  # e4m3's range in front of an e5m2 conversion
+        (0.0, 448.0, E4M3, False),
+    ],
+)
+def test_pass_drops_only_a_clamp_to_the_float8_types_own_range(low, high, dtype, rewritten):
+    graph = _one_cast_graph(low, high, dtype)
+    assert drop_saturation_before_float8(graph, any_device=True) == int(rewritten)
+    assert _clamped_conversions(graph) == int(not rewritten)
+    graph.lint()
+
+
+class _Other(CustomGraphPass):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.calls += 1
+
+    def uuid(self) -> str:
+        return "someone-elses-pass"
+
+
+def test_install_chains_after_an_installed_pass_once_and_uninstall_restores_it():
+    other = _Other()
+    with inductor_config.patch(post_grad_custom_post_pass=other):
+        install_satfinite_pass()
+        installed = inductor_config.post_grad_custom_post_pass
+        assert isinstance(installed, SatfinitePass) and installed.then is other
+        assert "someone-elses-pass" in installed.uuid()
+        install_satfinite_pass()
+        assert inductor_config.post_grad_custom_post_pass is installed
+        installed(fx.Graph())
+        assert other.calls == 1
+        uninstall_satfinite_pass()
+        assert inductor_config.post_grad_custom_post_pass is other
+
+
+def test_a_layer_installs_the_pass_unless_its_config_says_not_to():
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        Float8Linear(32, 32, config=Float8LinearConfig(compiled_satfinite=False))
+        assert inductor_config.post_grad_custom_post_pass is None
+        Float8Linear(32, 32)
+        assert isinstance(inductor_config.post_grad_custom_post_pass, SatfinitePass)
+
+
+needs_float8_gpu = pytest.mark.skipif(FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON))
+
+SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1.0, -3.5, 447.0, 448.0, 449.0, 464.0, 500.0, -1e6]
+SPECIAL += [57344.0, 61440.0, -7e4, 3e38, float("inf"), float("-inf"), float("nan")]
+
+
+@needs_float8_gpu
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("nonfinite_to_nan", [False, True], ids=["saturate", "inf-to-nan"])
+def test_compiled_casts_keep_their_bytes_without_the_clamp_on_cuda(
+    dtype, nonfinite_to_nan, monkeypatch
+):
+    """Values in, beyond and at the edge of both types' ranges, infs, NaN and zeros of both
+    signs, each scaled by 1 and by 2**10: Triton's saturating conversion gives the bytes that
+    the clamp gave (the same compiled code without the pass) and eager mode's values."""
+    changed = []
+    original = fp8train.inductor.drop_saturation_before_float8
+
+    def recording(graph, **kwargs):  # noqa: ANN001, ANN202
+        changed.append(original(graph, **kwargs))
+        return changed[-1]
+
+    monkeypatch.setattr(fp8train.inductor, "drop_saturation_before_float8", recording)
+    hp = torch.tensor(SPECIAL, device="cuda")
+    hp = torch.cat([hp, -hp, torch.randn(4096, device="cuda") * 1e3]).reshape(-1, 1).repeat(1, 16)
+
+    def cast(hp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return _saturated_cast(hp, scale, dtype, nonfinite_to_nan=nonfinite_to_nan)
+
+    results = {}
+    for name, installed in (("clamp", False), ("satfinite", True)):
+        torch._dynamo.reset()
+        pass_ = SatfinitePass() if installed else None
+        with inductor_config.patch(post_grad_custom_post_pass=pass_, fx_graph_cache=False):
+            compiled = torch.compile(cast, fullgraph=True)
+            results[name] = [compiled(hp, torch.tensor(s, device="cuda")) for s in (1.0, 1024.0)]
+    assert changed == [1], changed  # one graph (the scale is a tensor), one conversion
+    scales = (1.0, 1024.0)
+    for scale, clamp, satfinite in zip(scales, results["clamp"], results["satfinite"], strict=True):
+        eager = cast(hp, torch.tensor(scale, device="cuda"))
+        assert torch.equal(clamp.view(torch.uint8), satfinite.view(torch.uint8)), scale
+        nan = eager.float().isnan()
+        assert torch.equal(satfinite.float().isnan(), nan), scale
+        assert torch.equal(satfinite.float()[~nan], eager.float()[~nan]), scale
+
+
+@needs_float8_gpu
+@pytest.mark.parametrize("make_config", CONFIGS)
+def test_compiled_layers_give_the_same_numbers_with_the_pass_on_cuda(make_config):
+    """A compiled Float8Linear (bf16) trains bit for bit as it does with the clamp."""
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for pass_ in (None, Recorder(force=False)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = Float8Linear(512, 256, config=make_config()).to("cuda", torch.bfloat16)
+        with inductor_config.patch(post_grad_custom_post_pass=pass_, fx_graph_cache=False):
+            results.append(_train(layer, x, torch.compile(layer, fullgraph=True), steps=3))
+        if pass_ is not None:
+            assert sum(pass_.changed) > 0 and sum(pass_.after) == 0
+    for name, a, b in zip(("output", "grad_input", "grad_weight"), *results, strict=True):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max()}"
+
+
+def test_a_forced_pass_stays_when_layers_install_theirs():
+    """benchmarks/kernel_instructions.py forces the pass on before it builds float8 layers,
+    which install the pass of their own: the forced one must stay."""
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        install_satfinite_pass(any_device=True)
+        Float8Linear(32, 32)
+        assert inductor_config.post_grad_custom_post_pass.any_device
