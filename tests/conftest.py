@@ -6,7 +6,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fp8train import CastConfig, Float8Linear, Float8LinearConfig
+from fp8train import CastConfig, DelayedScalingConfig, Float8Linear, Float8LinearConfig
 
 
 def _float8_gpu_reason() -> str | None:
@@ -38,6 +38,18 @@ def all_roles_config(granularity: str = "tensorwise", **kwargs) -> Float8LinearC
     cast = CastConfig(scaling_granularity=granularity)
     return Float8LinearConfig(
         cast_config_input=cast, cast_config_weight=cast, cast_config_grad_output=cast, **kwargs
+    )
+
+
+def one_pass_delayed_config(**kwargs) -> Float8LinearConfig:
+    """Delayed scaling for every role, with the compiled one-pass cast."""
+    delayed = CastConfig(scaling_type="delayed")
+    return Float8LinearConfig(
+        cast_config_input=delayed,
+        cast_config_weight=delayed,
+        cast_config_grad_output=delayed,
+        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True),
+        **kwargs,
     )
 
 

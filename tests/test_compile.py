@@ -26,8 +26,6 @@ from torch.utils.checkpoint import (
 
 from benchmarks.saved_by_block import saved_by_backward
 from fp8train import (
-    CastConfig,
-    DelayedScalingConfig,
     Float8Linear,
     Float8LinearConfig,
     compute_error,
@@ -35,7 +33,13 @@ from fp8train import (
 )
 from fp8train.kernels import HAS_TRITON
 from fp8train.models import ModelArgs, Transformer
-from tests.conftest import DEVICES, FLOAT8_GPU_REASON, Projections, all_roles_config
+from tests.conftest import (
+    DEVICES,
+    FLOAT8_GPU_REASON,
+    Projections,
+    all_roles_config,
+    one_pass_delayed_config,
+)
 
 M, K, N = 64, 96, 48
 E4M3 = torch.float8_e4m3fn
@@ -360,20 +364,9 @@ def _small_block() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.T
     return bf16, x, cos, sin
 
 
-def _one_pass_delayed(**kwargs) -> Float8LinearConfig:
-    delayed = CastConfig(scaling_type="delayed")
-    return Float8LinearConfig(
-        cast_config_input=delayed,
-        cast_config_weight=delayed,
-        cast_config_grad_output=delayed,
-        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True),
-        **kwargs,
-    )
-
-
 TRANSPOSE_CASES = [
     pytest.param(Float8LinearConfig, id="dynamic"),
-    pytest.param(_one_pass_delayed, id="delayed-one-pass"),
+    pytest.param(one_pass_delayed_config, id="delayed-one-pass"),
 ]
 
 
@@ -488,7 +481,8 @@ def test_compiled_transpose_kernels_keep_what_a_block_keeps_without_them(monkeyp
         describe(saved_by_backward(block, x, cos, sin), block)
         for block in (
             convert_to_float8_training(
-                copy.deepcopy(bf16), config=_one_pass_delayed(compiled_transpose_kernels=roles)
+                copy.deepcopy(bf16),
+                config=one_pass_delayed_config(compiled_transpose_kernels=roles),
             )
             for roles in (False, True)
         )

@@ -12,8 +12,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fp8train.inductor
 from fp8train import (
-    CastConfig,
-    DelayedScalingConfig,
     Float8Linear,
     Float8LinearConfig,
     sync_float8_amax_and_scale_history,
@@ -26,7 +24,7 @@ from fp8train.inductor import (
     install_satfinite_pass,
     uninstall_satfinite_pass,
 )
-from tests.conftest import FLOAT8_GPU_REASON, all_roles_config
+from tests.conftest import FLOAT8_GPU_REASON, all_roles_config, one_pass_delayed_config
 
 CLAMPS = (torch.ops.aten.clamp_min.default, torch.ops.aten.clamp_max.default)
 
@@ -67,20 +65,10 @@ class Recorder(CustomGraphPass):
         return f"test-recorder-{id(self)}"
 
 
-def _one_pass_delayed() -> Float8LinearConfig:
-    delayed = CastConfig(scaling_type="delayed")
-    return Float8LinearConfig(
-        cast_config_input=delayed,
-        cast_config_weight=delayed,
-        cast_config_grad_output=delayed,
-        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True),
-    )
-
-
 CONFIGS = [
     pytest.param(Float8LinearConfig, id="tensorwise"),
     pytest.param(lambda: all_roles_config("rowwise"), id="rowwise"),
-    pytest.param(_one_pass_delayed, id="delayed-one-pass"),
+    pytest.param(one_pass_delayed_config, id="delayed-one-pass"),
 ]
 
 
