@@ -4,12 +4,12 @@ A cast computes `clamp(hp * scale, -max, max).to(float8)`: the clamp is there be
 torch's conversion turns an overflow into NaN (float8_e4m3fn has no inf). Triton's
 conversion on CUDA saturates by itself (`cvt.rn.satfinite`: a finite value or an inf beyond
 the range becomes the largest finite value of its sign, NaN stays NaN), so in the Triton code
-inductor generates the clamp only costs instructions: about nine PTX instructions per element
-and cast (each NaN-propagating bound is two compares, an or and a select), in kernels that
-fused casts make bound by instructions (benchmarks/kernel_instructions.py counts them). This pass runs after the partitioner has
-chosen what backward keeps, so what it keeps does not change; it drops the clamp in front of
-the conversion and nothing else, so every float8 byte stays the same (tested bit for bit on
-the GPU).
+inductor generates, the clamp only costs instructions: about nine PTX instructions per
+element and cast (each NaN-propagating bound is two compares, an or and a select), in
+kernels that fused casts make bound by instructions (benchmarks/kernel_instructions.py
+counts them). This pass runs after the partitioner has chosen what backward keeps, so what
+it keeps does not change; it drops the clamp in front of the conversion and nothing else, so
+every float8 byte stays the same (tested bit for bit on the GPU).
 
 It touches only the casts of fp8train's own code (told by their stack trace), on CUDA devices
 where Triton converts to float8 with `satfinite` (sm_89 and later, not ROCm), and only where
