@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import warnings
 from pathlib import Path
 
 import torch
 from torch import fx
 from torch._inductor import config as inductor_config
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 _PACKAGE = str(Path(__file__).parent)
+_TAKES_A_SEQUENCE = hasattr(custom_graph_pass, "get_custom_graph_passes")
+# Newer inductors run a list of post-grad passes, each on its own terms (inference-aware
+# passes included); older ones run one, which ours then calls before its own work.
 _aten = torch.ops.aten
 
 
@@ -131,8 +136,8 @@ def _source_hash() -> str:
 
 
 class SatfinitePass(CustomGraphPass):
-    """`drop_saturation_before_float8` as inductor's post-grad pass, run after `then` (the
-    pass that was installed before, if any)."""
+    """`drop_saturation_before_float8` as inductor's post-grad pass, run after `then` (on a
+    torch whose inductor takes one post-grad pass only: the pass installed before ours)."""
 
     def __init__(self, then: CustomGraphPass | None = None, *, any_device: bool = False) -> None:
         self.then = then
@@ -150,20 +155,55 @@ class SatfinitePass(CustomGraphPass):
         return f"fp8train-satfinite-{_source_hash()}-{self.any_device}-{then}"
 
 
-def install_satfinite_pass(*, any_device: bool = False) -> None:
-    """Make `SatfinitePass` inductor's post-grad pass, process-wide, chained after a pass
-    already installed. Once: a pass of ours already there stays, unless `any_device` asks
-    for the forced one (benchmarks/kernel_instructions.py), which then stays in its turn."""
+def _others() -> tuple[list, type | None]:
+    """The post-grad passes installed now other than ours (a pass ours wraps included), and
+    the type of sequence they are held in (None: a single pass)."""
     current = inductor_config.post_grad_custom_post_pass
-    if isinstance(current, SatfinitePass):
-        if current.any_device or not any_device:
-            return
-        current = current.then
-    inductor_config.post_grad_custom_post_pass = SatfinitePass(current, any_device=any_device)
+    sequence = type(current) if isinstance(current, (list, tuple)) else None
+    others = []
+    for entry in current if sequence else [current]:
+        while isinstance(entry, SatfinitePass):
+            entry = entry.then
+        if entry is not None:
+            others.append(entry)
+    return others, sequence
+
+
+def install_satfinite_pass(*, any_device: bool = False) -> None:
+    """Make `SatfinitePass` one of inductor's post-grad passes, process-wide, run after the
+    passes installed before it. Once: a pass of ours already there stays, unless
+    `any_device` asks for the forced one (benchmarks/kernel_instructions.py), which then
+    stays in its turn. Where another pass cannot run before ours (an inductor that takes one
+    pass, and that one a plain function), ours is not installed and a warning says why."""
+    current = inductor_config.post_grad_custom_post_pass
+    entries = current if isinstance(current, (list, tuple)) else [current]
+    ours = [entry for entry in entries if isinstance(entry, SatfinitePass)]
+    if ours and (ours[0].any_device or not any_device):
+        return
+    others, sequence = _others()
+    new = SatfinitePass(any_device=any_device)
+    if not others:
+        inductor_config.post_grad_custom_post_pass = new
+    elif _TAKES_A_SEQUENCE:
+        inductor_config.post_grad_custom_post_pass = (sequence or list)([*others, new])
+    elif len(others) == 1 and isinstance(others[0], CustomGraphPass):
+        new.then = others[0]
+        inductor_config.post_grad_custom_post_pass = new
+    else:
+        warnings.warn(
+            "fp8train: torch._inductor.config.post_grad_custom_post_pass holds a pass that is "
+            "not a CustomGraphPass, and this torch's inductor runs one pass only, so fp8train "
+            "cannot run its own after it: compiled casts keep their clamp (same numbers, a "
+            "little slower). Make that pass a torch._inductor.custom_graph_pass."
+            "CustomGraphPass to have both.",
+            stacklevel=2,
+        )
 
 
 def uninstall_satfinite_pass() -> None:
-    """Undo install_satfinite_pass, leaving the pass it was chained after."""
-    current = inductor_config.post_grad_custom_post_pass
-    if isinstance(current, SatfinitePass):
-        inductor_config.post_grad_custom_post_pass = current.then
+    """Undo install_satfinite_pass, leaving the other passes installed."""
+    others, sequence = _others()
+    if sequence is not None:
+        inductor_config.post_grad_custom_post_pass = sequence(others) if others else None
+    else:
+        inductor_config.post_grad_custom_post_pass = others[0] if others else None

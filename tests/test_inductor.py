@@ -186,19 +186,39 @@ class _Other(CustomGraphPass):
         return "someone-elses-pass"
 
 
-def test_install_chains_after_an_installed_pass_once_and_uninstall_restores_it():
-    other = _Other()
-    with inductor_config.patch(post_grad_custom_post_pass=other):
-        install_satfinite_pass()
-        installed = inductor_config.post_grad_custom_post_pass
-        assert isinstance(installed, SatfinitePass) and installed.then is other
-        assert "someone-elses-pass" in installed.uuid()
-        install_satfinite_pass()
-        assert inductor_config.post_grad_custom_post_pass is installed
-        installed(fx.Graph())
-        assert other.calls == 1
-        uninstall_satfinite_pass()
-        assert inductor_config.post_grad_custom_post_pass is other
+def test_install_runs_ours_after_an_installed_pass_once_and_uninstall_restores_it(monkeypatch):
+    """Both ways an inductor takes passes: a sequence (ours appended), or one pass (ours
+    wraps the one installed and runs it first)."""
+    for takes_a_sequence in (True, False):
+        monkeypatch.setattr(fp8train.inductor, "_TAKES_A_SEQUENCE", takes_a_sequence)
+        other = _Other()
+        with inductor_config.patch(post_grad_custom_post_pass=other):
+            install_satfinite_pass()
+            installed = inductor_config.post_grad_custom_post_pass
+            install_satfinite_pass()
+            assert inductor_config.post_grad_custom_post_pass is installed
+            if takes_a_sequence:
+                assert installed[0] is other and isinstance(installed[1], SatfinitePass)
+            else:
+                assert isinstance(installed, SatfinitePass) and installed.then is other
+                assert "someone-elses-pass" in installed.uuid()
+                installed(fx.Graph())
+                assert other.calls == 1
+            uninstall_satfinite_pass()
+            restored = inductor_config.post_grad_custom_post_pass
+            assert restored == ([other] if takes_a_sequence else other)
+
+
+def test_install_warns_and_keeps_a_plain_function_it_cannot_run_before_its_own(monkeypatch):
+    monkeypatch.setattr(fp8train.inductor, "_TAKES_A_SEQUENCE", False)
+
+    def plain(graph: fx.Graph) -> None:
+        pass
+
+    with inductor_config.patch(post_grad_custom_post_pass=plain):
+        with pytest.warns(UserWarning, match="not a CustomGraphPass"):
+            install_satfinite_pass()
+        assert inductor_config.post_grad_custom_post_pass is plain
 
 
 def test_a_layer_installs_the_pass_unless_its_config_says_not_to():
