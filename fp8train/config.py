@@ -340,11 +340,10 @@ class Float8LinearConfig:
     bound by instructions (benchmarks/kernel_instructions.py); on the H100 a training step's
     casts took 14% less time (benchmarks/results/satfinite_h100_2026-12-06.md). It is an
     inductor post-grad pass (fp8train.inductor), which runs after the partitioner has chosen
-    what backward keeps;
-    building a Float8Linear with this on installs it process-wide in
-    torch._inductor.config.post_grad_custom_post_pass, after any pass already there. It
-    touches only fp8train's own casts. Off: a layer built with it off installs nothing
-    (fp8train.inductor.uninstall_satfinite_pass removes an installed pass)."""
+    what backward keeps. Building a Float8Linear with this on installs it process-wide in
+    torch._inductor.config.post_grad_custom_post_pass, beside any pass already there; it
+    touches only fp8train's own casts. Off: the layer installs nothing (a pass installed by
+    another layer stays; fp8train.inductor.uninstall_satfinite_pass removes it)."""
 
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
