@@ -169,7 +169,7 @@ def describe(sources: list[str]) -> list[dict]:
 def main(args: argparse.Namespace) -> dict[str, list[dict]]:
     print_environment()
     if args.satfinite:
-        install_satfinite_pass(any_device=True)
+        install_satfinite_pass(any_device=True, integer_amax=args.integer_amax)
     else:
         uninstall_satfinite_pass()
     block_args = ModelArgs(
@@ -201,6 +201,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="leave the casts' saturation to Triton's conversion, as fp8train does on a GPU "
         "(fp8train.inductor; --no-satfinite: the clamp inductor gets from the casts)",
+    )
+    parser.add_argument(
+        "--integer-amax",
+        action="store_true",
+        help="with --satfinite: amaxes as integer maxima too "
+        "(Float8LinearConfig.compiled_integer_amax)",
     )
 
 

@@ -345,6 +345,14 @@ class Float8LinearConfig:
     touches only fp8train's own casts. Off: the layer installs nothing (a pass installed by
     another layer stays; fp8train.inductor.uninstall_satfinite_pass removes it)."""
 
+    compiled_integer_amax: bool = False
+    """Experimental, not yet measured on a GPU. With compiled_satfinite, the same pass also
+    takes each cast's amax as the integer maximum of the fp32 bits without their sign (the
+    same value, NaN propagating; fp8train.inductor.amax_as_integer_max): on the CPU's count
+    for sm_90, 8-9% fewer instructions in a block's backward kernels, with the same kernels
+    and loads (benchmarks/results/satfinite_h100_2026-12-06.md). Off until a GPU run shows
+    it faster."""
+
     enable_fsdp_float8_all_gather: bool = False
     """Under FSDP2, cast each weight shard to float8 before the all-gather: 1 byte per weight
     element on the wire instead of 2 or 4. Tensorwise e4m3 weight casts (dynamic, delayed or
@@ -357,6 +365,11 @@ class Float8LinearConfig:
     # that torch.compile traces (torch 2.11's dynamo cannot trace them inside autograd.Function).
 
     def __post_init__(self) -> None:
+        if self.compiled_integer_amax and not self.compiled_satfinite:
+            raise ValueError(
+                "compiled_integer_amax=True needs compiled_satfinite=True: one inductor pass "
+                "does both"
+            )
         for field, example in (
             ("compiled_cast_kernels", "('weight', 'grad_output')"),
             ("compiled_transpose_kernels", "('grad_output',)"),

@@ -36,6 +36,7 @@ _TAKES_A_SEQUENCE = hasattr(custom_graph_pass, "get_custom_graph_passes")
 # Newer inductors run a list of post-grad passes, each on its own terms (inference-aware
 # passes included); older ones run one, which ours then calls before its own work.
 _aten = torch.ops.aten
+_prims = torch.ops.prims
 
 
 def _is(node: object, *targets: object) -> bool:
@@ -113,7 +114,7 @@ def drop_saturation_before_float8(graph: fx.Graph, *, any_device: bool = False) 
     changed = 0
     for node in list(graph.nodes):
         if not (
-            _is(node, torch.ops.prims.convert_element_type.default)
+            _is(node, _prims.convert_element_type.default)
             and node.args[1] in FLOAT8_DTYPES
             and isinstance(node.args[0], fx.Node)
         ):
@@ -130,29 +131,96 @@ def drop_saturation_before_float8(graph: fx.Graph, *, any_device: bool = False) 
     return changed
 
 
+_MAGNITUDE_BITS = 0x7FFFFFFF
+"""An fp32 value's bits without its sign."""
+
+
+def amax_as_integer_max(graph: fx.Graph) -> int:
+    """Rewrite each `amax(abs(x))` of fp8train's code in `graph` as the maximum of x's fp32
+    bits with the sign bit cleared, compared as integers, and return how many changed.
+    Without their sign, fp32 bits order as magnitudes do, +0 through inf, and every NaN
+    above inf: the integer maximum is the float maximum, NaN propagating, in one compare
+    and select instead of the float maximum's two compares, or and select (inductor's
+    NaN-propagating maximum). Exact on any device."""
+    changed = 0
+    for node in list(graph.nodes):
+        if not (_is(node, _aten.amax.default) and _is(node.args[0], _aten.abs.default)):
+            continue
+        absolute = node.args[0]
+        x = absolute.args[0]
+        value, result = x.meta.get("val"), node.meta.get("val")
+        if not (
+            _from_fp8train(absolute)
+            and isinstance(value, torch.Tensor)
+            and isinstance(result, torch.Tensor)
+            and value.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ):
+            continue
+        wide_value, wide_result = value.to(torch.float32), result.to(torch.float32)
+        with graph.inserting_before(node):
+            wide = x
+            if value.dtype != torch.float32:
+                wide = graph.call_function(_prims.convert_element_type.default, (x, torch.float32))
+                wide.meta["val"] = wide_value
+            bits = graph.call_function(_aten.view.dtype, (wide, torch.int32))
+            magnitude = graph.call_function(_aten.bitwise_and.Scalar, (bits, _MAGNITUDE_BITS))
+            largest = graph.call_function(_aten.amax.default, (magnitude, *node.args[1:]))
+            as_float = graph.call_function(_aten.view.dtype, (largest, torch.float32))
+            out = as_float
+            if result.dtype != torch.float32:
+                out = graph.call_function(
+                    _prims.convert_element_type.default, (as_float, result.dtype)
+                )
+                out.meta["val"] = result
+        bits.meta["val"] = magnitude.meta["val"] = wide_value.view(torch.int32)
+        largest.meta["val"] = wide_result.view(torch.int32)
+        as_float.meta["val"] = wide_result
+        for new in (bits, magnitude, largest, as_float, out, wide):
+            new.meta.setdefault("stack_trace", absolute.meta.get("stack_trace", ""))
+        node.replace_all_uses_with(out)
+        changed += 1
+    if changed:
+        graph.eliminate_dead_code()
+    return changed
+
+
 @functools.cache
 def _source_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
 class SatfinitePass(CustomGraphPass):
-    """`drop_saturation_before_float8` as inductor's post-grad pass, run after `then` (on a
-    torch whose inductor takes one post-grad pass only: the pass installed before ours)."""
+    """`drop_saturation_before_float8` as inductor's post-grad pass (and, with
+    `integer_amax`, `amax_as_integer_max`), run after `then` (on a torch whose inductor
+    takes one post-grad pass only: the pass installed before ours)."""
 
-    def __init__(self, then: CustomGraphPass | None = None, *, any_device: bool = False) -> None:
+    def __init__(
+        self,
+        then: CustomGraphPass | None = None,
+        *,
+        any_device: bool = False,
+        integer_amax: bool = False,
+    ) -> None:
         self.then = then
         self.any_device = any_device
+        self.integer_amax = integer_amax
 
     def __call__(self, graph: fx.Graph) -> None:
         if self.then is not None:
             self.then(graph)
         drop_saturation_before_float8(graph, any_device=self.any_device)
+        if self.integer_amax:
+            amax_as_integer_max(graph)
+
+    def covers(self, *, any_device: bool, integer_amax: bool) -> bool:
+        return (self.any_device or not any_device) and (self.integer_amax or not integer_amax)
 
     def uuid(self) -> str:
-        # Inductor's FX graph cache keys compiled code on this: our source, and the pass
-        # we run after.
+        # Inductor's FX graph cache keys compiled code on this: our source, our options and
+        # the pass we run after.
         then = self.then.uuid() if self.then is not None else None
-        return f"fp8train-satfinite-{_source_hash()}-{self.any_device}-{then}"
+        options = f"{self.any_device}-{self.integer_amax}"
+        return f"fp8train-satfinite-{_source_hash()}-{options}-{then}"
 
 
 def _others() -> tuple[list, type | None]:
@@ -169,19 +237,23 @@ def _others() -> tuple[list, type | None]:
     return others, sequence
 
 
-def install_satfinite_pass(*, any_device: bool = False) -> None:
+def install_satfinite_pass(*, any_device: bool = False, integer_amax: bool = False) -> None:
     """Make `SatfinitePass` one of inductor's post-grad passes, process-wide, run after the
-    passes installed before it. Once: a pass of ours already there stays, unless
-    `any_device` asks for the forced one (benchmarks/kernel_instructions.py), which then
-    stays in its turn. Where another pass cannot run before ours (an inductor that takes one
-    pass, and that one a plain function), ours is not installed and a warning says why."""
+    passes installed before it. Once: a pass of ours already there stays, unless it lacks
+    what this call asks for (`any_device`: the forced pass of
+    benchmarks/kernel_instructions.py; `integer_amax`), and then the one that does both
+    replaces it. Where another pass cannot run before ours (an inductor that takes one pass,
+    and that one a plain function), ours is not installed and a warning says why."""
     current = inductor_config.post_grad_custom_post_pass
     entries = current if isinstance(current, (list, tuple)) else [current]
     ours = [entry for entry in entries if isinstance(entry, SatfinitePass)]
-    if ours and (ours[0].any_device or not any_device):
+    if ours and ours[0].covers(any_device=any_device, integer_amax=integer_amax):
         return
+    if ours:
+        any_device = any_device or ours[0].any_device
+        integer_amax = integer_amax or ours[0].integer_amax
     others, sequence = _others()
-    new = SatfinitePass(any_device=any_device)
+    new = SatfinitePass(any_device=any_device, integer_amax=integer_amax)
     if not others:
         inductor_config.post_grad_custom_post_pass = new
     elif _TAKES_A_SEQUENCE:

@@ -58,7 +58,7 @@ class Float8Linear(nn.Linear):
             # Imported here: torch._inductor takes half a second to import.
             from fp8train.inductor import install_satfinite_pass
 
-            install_satfinite_pass()
+            install_satfinite_pass(integer_amax=self.config.compiled_integer_amax)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         device_type = input.device.type

@@ -20,6 +20,7 @@ from fp8train.cast import _saturated_cast
 from fp8train.config import E4M3, E5M2
 from fp8train.inductor import (
     SatfinitePass,
+    amax_as_integer_max,
     drop_saturation_before_float8,
     install_satfinite_pass,
     uninstall_satfinite_pass,
@@ -300,3 +301,78 @@ def test_a_forced_pass_stays_when_layers_install_theirs():
         install_satfinite_pass(any_device=True)
         Float8Linear(32, 32)
         assert inductor_config.post_grad_custom_post_pass.any_device
+
+
+class AmaxRecorder(CustomGraphPass):
+    """Rewrites each graph's amaxes as integer maxima (any device: the rewrite is exact on
+    every backend), recording how many changed."""
+
+    def __init__(self) -> None:
+        self.changed = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.changed.append(amax_as_integer_max(graph))
+
+    def uuid(self) -> str:
+        return f"test-amax-recorder-{id(self)}"
+
+
+@pytest.mark.parametrize("make_config", CONFIGS)
+def test_integer_amax_gives_the_same_numbers_and_scales(make_config):
+    """A compiled Float8Linear with its amaxes taken as integer maxima trains as it does
+    with inductor's float maxima: same output, gradients and delayed-scaling state."""
+    x = torch.randn(32, 64)
+    results = []
+    for rewrite in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = Float8Linear(64, 48, config=make_config())
+        recorder = AmaxRecorder() if rewrite else None
+        with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+            out = _train(layer, x, torch.compile(layer, fullgraph=True), steps=3)
+        results.append(out + [b.clone() for b in layer.buffers()])
+        if rewrite:
+            assert sum(recorder.changed) > 0
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(a, b), i
+
+
+def test_integer_amax_propagates_nan_and_inf_like_the_float_maximum():
+    """The amax of a cast on inputs with inf, NaN, -0.0 and subnormals, bf16 and fp32, whole
+    and by rows: the integer maximum gives what eager mode gives (NaN where it gives NaN)."""
+    from fp8train.config import ScalingGranularity
+    from fp8train.scaling import amax as cast_amax
+
+    def amaxes(hp: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            cast_amax(hp, ScalingGranularity.TENSORWISE, None),
+            cast_amax(hp, ScalingGranularity.ROWWISE, -1),
+        ]
+
+    special = [0.0, -0.0, 1e-40, -3.0, 2.5, -7e37, float("inf"), float("-inf"), float("nan")]
+    rows = [[v, 1.0, -2.0, 0.5] for v in special] + [[-0.0, -1e-40, 0.0, -5.0]]
+    for dtype in (torch.float32, torch.bfloat16):
+        for hp in (torch.tensor(rows, dtype=dtype), torch.tensor(rows[:6], dtype=dtype)):
+            torch._dynamo.reset()
+            recorder = AmaxRecorder()
+            with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+                compiled = torch.compile(amaxes, fullgraph=True)(hp)
+            assert sum(recorder.changed) == 2, recorder.changed
+            for got, want in zip(compiled, amaxes(hp), strict=True):
+                assert torch.equal(got.isnan(), want.isnan()), (dtype, hp)
+                assert torch.equal(got[~got.isnan()], want[~want.isnan()]), (dtype, hp)
+
+
+def test_integer_amax_needs_the_satfinite_pass():
+    with pytest.raises(ValueError, match="compiled_integer_amax=True needs compiled_satfinite"):
+        Float8LinearConfig(compiled_satfinite=False, compiled_integer_amax=True)
+
+
+def test_a_layer_asking_for_integer_amax_upgrades_the_installed_pass():
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        Float8Linear(32, 32)
+        assert not inductor_config.post_grad_custom_post_pass.integer_amax
+        Float8Linear(32, 32, config=Float8LinearConfig(compiled_integer_amax=True))
+        assert inductor_config.post_grad_custom_post_pass.integer_amax
+        Float8Linear(32, 32)
+        assert inductor_config.post_grad_custom_post_pass.integer_amax
