@@ -62,7 +62,7 @@ from fp8train import (
     compute_error,
     sync_float8_amax_and_scale_history,
 )
-from fp8train.inductor import uninstall_satfinite_pass
+from fp8train.inductor import install_satfinite_pass, uninstall_satfinite_pass
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 try:
@@ -163,7 +163,8 @@ def bench_shape(
     """One row; `cast_kernels`: a key of COMPILED_CASTS, or None for inductor's casts;
     `compile_mode`: torch.compile's mode for every layer of a compiled row; `saturation`:
     "clamp" compiles fp8train's casts with their clamp (Float8LinearConfig.compiled_satfinite
-    off, fp8train.inductor's pass uninstalled)."""
+    off, fp8train.inductor's pass uninstalled); "integer-amax" with their amaxes as integer
+    maxima too (compiled_integer_amax)."""
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
     if scaling.startswith("delayed"):
@@ -181,9 +182,14 @@ def bench_shape(
     if saturation == "clamp":
         config = dataclasses.replace(config, compiled_satfinite=False)
         recipe = f"{recipe}+clamp"
+    elif saturation == "integer-amax":
+        config = dataclasses.replace(config, compiled_integer_amax=True)
+        recipe = f"{recipe}+integer-amax"
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
-    if saturation == "clamp":
-        uninstall_satfinite_pass()  # a layer of an earlier row installed it
+    if saturation != "integer-amax":
+        uninstall_satfinite_pass()  # a layer of an earlier row may have installed another
+        if saturation == "satfinite":
+            install_satfinite_pass()
     layers = {"ref": ref, "fp8": fp8_layer}
     # torchao.float8's rowwise recipes need CUDA's rowwise scaled gemm: on another device
     # only its tensorwise recipe runs beside ours.
@@ -335,9 +341,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--saturation",
         nargs="+",
         default=["satfinite"],
-        choices=["satfinite", "clamp"],
+        choices=["satfinite", "clamp", "integer-amax"],
         help="compiled rows: leave the casts' saturation to Triton's conversion (the default, "
-        "Float8LinearConfig.compiled_satfinite), or clamp first as the casts are written",
+        "Float8LinearConfig.compiled_satfinite), clamp first as the casts are written, or "
+        "satfinite with the amaxes as integer maxima (compiled_integer_amax, experimental)",
     )
     parser.add_argument(
         "--cast-tile",
@@ -391,7 +398,7 @@ def main(args: argparse.Namespace) -> None:
     ):
         if kern and not (c and recipe == "tensorwise"):
             continue  # eager casts are the kernels already; rowwise casts stay inductor's
-        if sat == "clamp" and not c:
+        if sat != "satfinite" and not c:
             continue  # eager mode has no inductor pass
         rows.append(
             bench_shape(

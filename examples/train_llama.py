@@ -101,6 +101,9 @@ CONFIGS = (
     # compiled casts that clamp before converting (Float8LinearConfig.compiled_satfinite off)
     "tensorwise-clamp",
     "tensorwise-delayed-one-pass-tied-clamp",
+    # experimental: amaxes as integer maxima too (Float8LinearConfig.compiled_integer_amax)
+    "tensorwise-integer-amax",
+    "tensorwise-delayed-one-pass-tied-integer-amax",
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
     "tensorwise-cast-kernels-no-input",  # the same for weights and gradients, not inputs
     "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
@@ -158,8 +161,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return torchao_float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=keep_lm_head
         )
-    clamp = name.endswith("-clamp")
-    name = name.removesuffix("-clamp")
+    clamp, integer_amax = name.endswith("-clamp"), name.endswith("-integer-amax")
+    name = name.removesuffix("-clamp").removesuffix("-integer-amax")
     if name.startswith("tensorwise-delayed"):
         delayed = CastConfig(scaling_type="delayed")
         config = Float8LinearConfig(
@@ -180,9 +183,12 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
     else:
         config = Float8LinearConfig.from_recipe_name(name)
+    # The pass is process-wide: each run installs the one it names.
+    uninstall_satfinite_pass()
     if clamp:
         config = dataclasses.replace(config, compiled_satfinite=False)
-        uninstall_satfinite_pass()  # a layer of an earlier run installed it
+    if integer_amax:
+        config = dataclasses.replace(config, compiled_integer_amax=True)
     model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
     return tie_shared_delayed_inputs(model) if "-tied" in name else model
 
