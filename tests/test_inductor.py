@@ -84,6 +84,31 @@ def _train(layer: Float8Linear, x: torch.Tensor, fn, steps: int) -> list[torch.T
     return [out.detach(), xi.grad, layer.weight.grad.clone()]
 
 
+def _assert_same(first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
+    """Two _compiled_steps results equal bit for bit."""
+    names = ("output", "grad_input", "grad_weight")
+    for i, (a, b) in enumerate(zip(first, second, strict=True)):
+        name = names[i] if i < len(names) else f"buffer {i - len(names)}"
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max()}"
+
+
+def _compiled_steps(
+    make_config,
+    x: torch.Tensor,
+    graph_pass: CustomGraphPass | None,
+    steps: int,  # noqa: ANN001
+) -> list[torch.Tensor]:
+    """`steps` of a fresh seeded Float8Linear (x's device and dtype) compiled with
+    `graph_pass` as inductor's post-grad pass: the last output, gradients and buffers."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    k = x.shape[-1]
+    layer = Float8Linear(k, k // 2, config=make_config()).to(x.device, x.dtype)
+    with inductor_config.patch(post_grad_custom_post_pass=graph_pass, fx_graph_cache=False):
+        out = _train(layer, x, torch.compile(layer, fullgraph=True), steps=steps)
+    return out + [buffer.clone() for buffer in layer.buffers()]
+
+
 @pytest.mark.parametrize("make_config", CONFIGS)
 def test_pass_drops_the_clamp_in_front_of_every_cast(make_config):
     """Forward and backward: each cast's conversion loses its clamp, and nothing else
@@ -107,15 +132,10 @@ def test_pass_changes_no_number_of_dynamic_casts_on_the_cpu():
     x = torch.randn(32, 64)
     results = []
     for force in (False, True):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        layer = Float8Linear(64, 48, config=Float8LinearConfig())
         recorder = Recorder(force)
-        with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
-            results.append(_train(layer, x, torch.compile(layer, fullgraph=True), steps=1))
+        results.append(_compiled_steps(Float8LinearConfig, x, recorder, steps=1))
         assert (sum(recorder.changed) > 0) == force
-    for name, a, b in zip(("output", "grad_input", "grad_weight"), *results, strict=True):
-        assert torch.equal(a, b), name
+    _assert_same(*results)
 
 
 def test_pass_leaves_casts_that_are_not_fp8trains_alone():
@@ -283,15 +303,10 @@ def test_compiled_layers_give_the_same_numbers_with_the_pass_on_cuda(make_config
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     results = []
     for pass_ in (None, Recorder(force=False)):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        layer = Float8Linear(512, 256, config=make_config()).to("cuda", torch.bfloat16)
-        with inductor_config.patch(post_grad_custom_post_pass=pass_, fx_graph_cache=False):
-            results.append(_train(layer, x, torch.compile(layer, fullgraph=True), steps=3))
+        results.append(_compiled_steps(make_config, x, pass_, steps=3))
         if pass_ is not None:
             assert sum(pass_.changed) > 0 and sum(pass_.after) == 0
-    for name, a, b in zip(("output", "grad_input", "grad_weight"), *results, strict=True):
-        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max()}"
+    _assert_same(*results)
 
 
 def test_a_forced_pass_stays_when_layers_install_theirs():
@@ -324,17 +339,11 @@ def test_integer_amax_gives_the_same_numbers_and_scales(make_config):
     x = torch.randn(32, 64)
     results = []
     for rewrite in (False, True):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        layer = Float8Linear(64, 48, config=make_config())
         recorder = AmaxRecorder() if rewrite else None
-        with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
-            out = _train(layer, x, torch.compile(layer, fullgraph=True), steps=3)
-        results.append(out + [b.clone() for b in layer.buffers()])
+        results.append(_compiled_steps(make_config, x, recorder, steps=3))
         if rewrite:
             assert sum(recorder.changed) > 0
-    for i, (a, b) in enumerate(zip(*results, strict=True)):
-        assert torch.equal(a, b), i
+    _assert_same(*results)
 
 
 def test_integer_amax_propagates_nan_and_inf_like_the_float_maximum():
