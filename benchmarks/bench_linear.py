@@ -48,6 +48,7 @@ from benchmarks.utils import (
     delayed_config,
     device_time_s,
     fp8_peak_tflops,
+    inductor_pass_as,
     markdown_table,
     median_time_s,
     print_environment,
@@ -62,7 +63,6 @@ from fp8train import (
     compute_error,
     sync_float8_amax_and_scale_history,
 )
-from fp8train.inductor import install_satfinite_pass, uninstall_satfinite_pass
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 try:
@@ -186,10 +186,7 @@ def bench_shape(
         config = dataclasses.replace(config, compiled_integer_amax=True)
         recipe = f"{recipe}+integer-amax"
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
-    if saturation != "integer-amax":
-        uninstall_satfinite_pass()  # a layer of an earlier row may have installed another
-        if saturation == "satfinite":
-            install_satfinite_pass()
+    inductor_pass_as(config)  # a layer of an earlier row may have installed another
     layers = {"ref": ref, "fp8": fp8_layer}
     # torchao.float8's rowwise recipes need CUDA's rowwise scaled gemm: on another device
     # only its tensorwise recipe runs beside ours.

@@ -134,6 +134,17 @@ def fp8_peak_tflops(device: torch.device | str, given: float | None = None) -> f
     return 1979.0 if ("H100" in name or "H200" in name) else None
 
 
+def inductor_pass_as(config: Float8LinearConfig) -> None:
+    """fp8train.inductor's pass exactly as `config` asks for it. Layers only ever add to the
+    process-wide pass (a layer built without an option leaves another layer's pass as it
+    is); a benchmark that compares configs in one process replaces it before compiling."""
+    from fp8train.inductor import install_satfinite_pass, uninstall_satfinite_pass
+
+    uninstall_satfinite_pass()
+    if config.compiled_satfinite:
+        install_satfinite_pass(integer_amax=config.compiled_integer_amax)
+
+
 def delayed_config(**kwargs: object) -> Float8LinearConfig:
     """Delayed scaling for the input, the weight and grad_output; other fields from kwargs."""
     delayed = CastConfig(scaling_type="delayed")

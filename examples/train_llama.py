@@ -38,7 +38,7 @@ from torch._inductor import config as inductor_config
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from benchmarks.utils import environment
+from benchmarks.utils import environment, inductor_pass_as
 from examples.e2e_report import (
     BASE_NAMES,
     caption_of,
@@ -60,7 +60,6 @@ from fp8train import (
 )
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize
-from fp8train.inductor import uninstall_satfinite_pass
 from fp8train.models import (
     ModelArgs,
     Transformer,
@@ -183,12 +182,11 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
     else:
         config = Float8LinearConfig.from_recipe_name(name)
-    # The pass is process-wide: each run installs the one it names.
-    uninstall_satfinite_pass()
     if clamp:
         config = dataclasses.replace(config, compiled_satfinite=False)
     if integer_amax:
         config = dataclasses.replace(config, compiled_integer_amax=True)
+    inductor_pass_as(config)  # process-wide: an earlier run may have installed another
     model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
     return tie_shared_delayed_inputs(model) if "-tied" in name else model
 

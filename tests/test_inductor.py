@@ -385,3 +385,18 @@ def test_a_layer_asking_for_integer_amax_upgrades_the_installed_pass():
         assert inductor_config.post_grad_custom_post_pass.integer_amax
         Float8Linear(32, 32)
         assert inductor_config.post_grad_custom_post_pass.integer_amax
+
+
+def test_benchmarks_set_the_pass_exactly_as_each_config_asks():
+    """benchmarks.utils.inductor_pass_as replaces what earlier runs installed, where layers
+    only add to it."""
+    from benchmarks.utils import inductor_pass_as
+
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        inductor_pass_as(Float8LinearConfig(compiled_integer_amax=True))
+        assert inductor_config.post_grad_custom_post_pass.integer_amax
+        inductor_pass_as(Float8LinearConfig())
+        installed = inductor_config.post_grad_custom_post_pass
+        assert isinstance(installed, SatfinitePass) and not installed.integer_amax
+        inductor_pass_as(Float8LinearConfig(compiled_satfinite=False))
+        assert inductor_config.post_grad_custom_post_pass is None
