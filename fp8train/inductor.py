@@ -13,7 +13,9 @@ every float8 byte stays the same (tested bit for bit on the GPU).
 
 It touches only the casts of fp8train's own code (told by their stack trace), on CUDA devices
 where Triton converts to float8 with `satfinite` (sm_89 and later, not ROCm), and only where
-the clamp's bounds are exactly the float8 type's range.
+the clamp's bounds are exactly the float8 type's range. In delayed scaling's casts it also
+writes the `where` that turns an inf into NaN as an add of `hp * 0` (NaN for an inf, a zero
+of hp's sign otherwise): the same values in two instructions instead of about nine.
 """
 
 from __future__ import annotations
@@ -101,10 +103,40 @@ def _unclamped(graph: fx.Graph, node: fx.Node, before: fx.Node, fp8_max: float) 
             return None
         kept = [n if n is not None else b for n, b in zip(new, branches, strict=True)]
         with graph.inserting_before(before):
-            where = graph.call_function(_aten.where.self, (condition, *kept))
-        where.meta = dict(node.meta)
-        return where
+            wide = _inf_to_nan_of(condition, *kept)
+            if wide is not None:
+                # scaled + wide * 0: wide * 0 is NaN for an inf and a zero of wide's sign
+                # otherwise, which adds nothing to scaled (of the same sign: the scale is
+                # positive), -0.0 included. Two instructions instead of the select's eight.
+                zero = graph.call_function(_aten.mul.Tensor, (wide, 0.0))
+                out = graph.call_function(_aten.add.Tensor, (kept[1], zero))
+                zero.meta = dict(node.meta)
+            else:
+                out = graph.call_function(_aten.where.self, (condition, *kept))
+        out.meta = dict(node.meta)
+        return out
     return None
+
+
+def _inf_to_nan_of(condition: object, if_inf: object, otherwise: object) -> fx.Node | None:
+    """`wide` if the where `(condition, if_inf, otherwise)` is delayed scaling's
+    `where(isinf(hp), abs(wide - wide), wide * scale)` (fp8train.cast, `wide` hp or its fp32
+    copy), else None."""
+    if not (
+        _is(condition, _aten.isinf.default)
+        and _is(if_inf, _aten.abs.default)
+        and _is(if_inf.args[0], _aten.sub.Tensor)
+        and _is(otherwise, _aten.mul.Tensor)
+    ):
+        return None
+    hp, (left, right) = condition.args[0], if_inf.args[0].args[:2]
+    if left is not right or left not in otherwise.args[:2]:
+        return None
+    if left is not hp and not (
+        _is(left, _prims.convert_element_type.default) and left.args[0] is hp
+    ):
+        return None
+    return left
 
 
 def drop_saturation_before_float8(graph: fx.Graph, *, any_device: bool = False) -> int:

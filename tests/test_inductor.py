@@ -138,6 +138,55 @@ def test_pass_changes_no_number_of_dynamic_casts_on_the_cpu():
     _assert_same(*results)
 
 
+def _inf_to_nan_selects(graph: fx.Graph) -> int:
+    return sum(1 for node in graph.nodes if node.target is torch.ops.aten.isinf.default)
+
+
+def test_pass_turns_delayed_scalings_inf_to_nan_select_into_an_add():
+    """Delayed casts turn an inf into NaN with `where(isinf(hp), |w - w|, w * scale)`; the
+    pass writes it `w * scale + w * 0` (no compare, no select), in forward and backward."""
+    counts = []
+
+    class Counting(Recorder):
+        def __call__(self, graph: fx.Graph) -> None:
+            before = _inf_to_nan_selects(graph)
+            super().__call__(graph)
+            counts.append((before, _inf_to_nan_selects(graph)))
+
+    torch._dynamo.reset()
+    layer = Float8Linear(64, 48, config=one_pass_delayed_config())
+    with inductor_config.patch(post_grad_custom_post_pass=Counting(), fx_graph_cache=False):
+        _train(layer, torch.randn(32, 64), torch.compile(layer, fullgraph=True), steps=1)
+    assert len(counts) >= 2 and all(before > 0 for before, _ in counts), counts
+    assert all(after == 0 for _, after in counts), counts
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_delayed_casts_inf_to_nan_as_an_add_keeps_every_value(dtype, hp_dtype):
+    """The add gives the select's values, on the CPU too for values within the range (no
+    saturation needed): NaN for an inf and for NaN, and the same bytes for the rest, the
+    sign of -0.0 and of values that underflow to zero included."""
+    values = [0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1.0, -3.5, 0.3, 200.0, -300.0]
+    values += [float("inf"), float("-inf"), float("nan")]
+    hp = torch.tensor(values, dtype=hp_dtype).reshape(-1, 1).repeat(1, 8)
+
+    def cast(hp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return _saturated_cast(hp, scale, dtype, nonfinite_to_nan=True)
+
+    torch._dynamo.reset()
+    recorder = Recorder()
+    with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+        compiled = torch.compile(cast, fullgraph=True)
+        for scale in (1.0, 0.5):
+            got = compiled(hp, torch.tensor(scale))
+            want = cast(hp, torch.tensor(scale))
+            nan = want.float().isnan()
+            assert torch.equal(got.float().isnan(), nan), scale
+            assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), scale
+    assert recorder.changed == [1]
+
+
 def test_pass_leaves_casts_that_are_not_fp8trains_alone():
     """The same clamp and conversion written outside fp8train (by another float8 library,
     say) stays as it is."""
