@@ -162,9 +162,10 @@ def bench_shape(
 ):  # noqa: ANN001, ANN201, PLR0913
     """One row; `cast_kernels`: a key of COMPILED_CASTS, or None for inductor's casts;
     `compile_mode`: torch.compile's mode for every layer of a compiled row; `saturation`:
-    "clamp" compiles fp8train's casts with their clamp (Float8LinearConfig.compiled_satfinite
-    off, fp8train.inductor's pass uninstalled); "integer-amax" with their amaxes as integer
-    maxima too (compiled_integer_amax)."""
+    "clamp" compiles fp8train's casts as inductor writes them, with their clamp and float
+    amaxes (Float8LinearConfig.compiled_satfinite and compiled_integer_amax off,
+    fp8train.inductor's pass uninstalled); "float-amax" without the integer amaxes only
+    (compiled_integer_amax off); "satfinite" and "integer-amax" are the defaults (both on)."""
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
     if scaling.startswith("delayed"):
@@ -180,10 +181,12 @@ def bench_shape(
         config = dataclasses.replace(config, compiled_cast_kernels=COMPILED_CASTS[cast_kernels])
         recipe = f"{recipe}+cast-{cast_kernels}"
     if saturation == "clamp":
-        config = dataclasses.replace(config, compiled_satfinite=False)
+        config = dataclasses.replace(config, compiled_satfinite=False, compiled_integer_amax=False)
         recipe = f"{recipe}+clamp"
+    elif saturation == "float-amax":
+        config = dataclasses.replace(config, compiled_integer_amax=False)
+        recipe = f"{recipe}+float-amax"
     elif saturation == "integer-amax":
-        config = dataclasses.replace(config, compiled_integer_amax=True)
         recipe = f"{recipe}+integer-amax"
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
     inductor_pass_as(config)  # a layer of an earlier row may have installed another
@@ -338,10 +341,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--saturation",
         nargs="+",
         default=["satfinite"],
-        choices=["satfinite", "clamp", "integer-amax"],
-        help="compiled rows: leave the casts' saturation to Triton's conversion (the default, "
-        "Float8LinearConfig.compiled_satfinite), clamp first as the casts are written, or "
-        "satfinite with the amaxes as integer maxima (compiled_integer_amax, experimental)",
+        choices=["satfinite", "clamp", "float-amax", "integer-amax"],
+        help="compiled rows: fp8train's inductor pass as configs have it by default (the "
+        "casts' saturation left to Triton's conversion, amaxes as integer maxima: "
+        "Float8LinearConfig.compiled_satfinite and compiled_integer_amax; integer-amax names "
+        "the same), clamp: without the pass, as inductor writes the casts, or float-amax: the "
+        "pass without its integer amaxes",
     )
     parser.add_argument(
         "--cast-tile",

@@ -141,8 +141,10 @@ def inductor_pass_as(config: Float8LinearConfig) -> None:
     from fp8train.inductor import install_satfinite_pass, uninstall_satfinite_pass
 
     uninstall_satfinite_pass()
-    if config.compiled_satfinite:
-        install_satfinite_pass(integer_amax=config.compiled_integer_amax)
+    if config.compiled_satfinite or config.compiled_integer_amax:
+        install_satfinite_pass(
+            integer_amax=config.compiled_integer_amax, satfinite=config.compiled_satfinite
+        )
 
 
 def delayed_config(**kwargs: object) -> Float8LinearConfig:

@@ -97,10 +97,14 @@ CONFIGS = (
     # and grad_output's column-major copy made from its row-major bytes by fp8train's
     # transpose kernel (compiled_transpose_kernels), not in the cast's own kernel
     "tensorwise-delayed-one-pass-tied-transpose",
-    # compiled casts that clamp before converting (Float8LinearConfig.compiled_satfinite off)
+    # compiled casts as inductor writes them, without fp8train's post-grad pass: a clamp
+    # before converting, float amaxes (compiled_satfinite and compiled_integer_amax off)
     "tensorwise-clamp",
     "tensorwise-delayed-one-pass-tied-clamp",
-    # experimental: amaxes as integer maxima too (Float8LinearConfig.compiled_integer_amax)
+    # the pass without its integer amaxes (compiled_integer_amax off)
+    "tensorwise-float-amax",
+    "tensorwise-delayed-one-pass-tied-float-amax",
+    # the defaults named (both parts of the pass on), as earlier results name them
     "tensorwise-integer-amax",
     "tensorwise-delayed-one-pass-tied-integer-amax",
     "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
@@ -160,8 +164,9 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return torchao_float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=keep_lm_head
         )
-    clamp, integer_amax = name.endswith("-clamp"), name.endswith("-integer-amax")
-    name = name.removesuffix("-clamp").removesuffix("-integer-amax")
+    clamp, float_amax = name.endswith("-clamp"), name.endswith("-float-amax")
+    for suffix in ("-clamp", "-float-amax", "-integer-amax"):
+        name = name.removesuffix(suffix)
     if name.startswith("tensorwise-delayed"):
         delayed = CastConfig(scaling_type="delayed")
         config = Float8LinearConfig(
@@ -182,10 +187,10 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
     else:
         config = Float8LinearConfig.from_recipe_name(name)
+    if clamp or float_amax:
+        config = dataclasses.replace(config, compiled_integer_amax=False)
     if clamp:
         config = dataclasses.replace(config, compiled_satfinite=False)
-    if integer_amax:
-        config = dataclasses.replace(config, compiled_integer_amax=True)
     inductor_pass_as(config)  # process-wide: an earlier run may have installed another
     model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
     return tie_shared_delayed_inputs(model) if "-tied" in name else model

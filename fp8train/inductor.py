@@ -222,8 +222,8 @@ def _source_hash() -> str:
 
 
 class SatfinitePass(CustomGraphPass):
-    """`drop_saturation_before_float8` as inductor's post-grad pass (and, with
-    `integer_amax`, `amax_as_integer_max`), run after `then` (on a torch whose inductor
+    """fp8train's post-grad pass: `drop_saturation_before_float8` (with `satfinite`) and
+    `amax_as_integer_max` (with `integer_amax`), run after `then` (on a torch whose inductor
     takes one post-grad pass only: the pass installed before ours)."""
 
     def __init__(
@@ -232,26 +232,36 @@ class SatfinitePass(CustomGraphPass):
         *,
         any_device: bool = False,
         integer_amax: bool = False,
+        satfinite: bool = True,
     ) -> None:
         self.then = then
         self.any_device = any_device
         self.integer_amax = integer_amax
+        self.satfinite = satfinite
 
     def __call__(self, graph: fx.Graph) -> None:
         if self.then is not None:
             self.then(graph)
-        drop_saturation_before_float8(graph, any_device=self.any_device)
+        if self.satfinite:
+            drop_saturation_before_float8(graph, any_device=self.any_device)
         if self.integer_amax:
             amax_as_integer_max(graph)
 
-    def covers(self, *, any_device: bool, integer_amax: bool) -> bool:
-        return (self.any_device or not any_device) and (self.integer_amax or not integer_amax)
+    def covers(self, *, any_device: bool, integer_amax: bool, satfinite: bool) -> bool:
+        return all(
+            mine or not asked
+            for mine, asked in (
+                (self.any_device, any_device),
+                (self.integer_amax, integer_amax),
+                (self.satfinite, satfinite),
+            )
+        )
 
     def uuid(self) -> str:
         # Inductor's FX graph cache keys compiled code on this: our source, our options and
         # the pass we run after.
         then = self.then.uuid() if self.then is not None else None
-        options = f"{self.any_device}-{self.integer_amax}"
+        options = f"{self.any_device}-{self.integer_amax}-{self.satfinite}"
         return f"fp8train-satfinite-{_source_hash()}-{options}-{then}"
 
 
@@ -269,23 +279,29 @@ def _others() -> tuple[list, type | None]:
     return others, sequence
 
 
-def install_satfinite_pass(*, any_device: bool = False, integer_amax: bool = False) -> None:
+def install_satfinite_pass(
+    *, any_device: bool = False, integer_amax: bool = False, satfinite: bool = True
+) -> None:
     """Make `SatfinitePass` one of inductor's post-grad passes, process-wide, run after the
     passes installed before it. Once: a pass of ours already there stays, unless it lacks
-    what this call asks for (`any_device`: the forced pass of
-    benchmarks/kernel_instructions.py; `integer_amax`), and then the one that does both
-    replaces it. Where another pass cannot run before ours (an inductor that takes one pass,
-    and that one a plain function), ours is not installed and a warning says why."""
+    something this call asks for (`any_device`: the forced pass of
+    benchmarks/kernel_instructions.py; `integer_amax`; `satfinite`), and then one that does
+    what both ask replaces it. Where another pass cannot run before ours (an inductor that
+    takes one pass, and that one a plain function), ours is not installed and a warning says
+    why."""
     current = inductor_config.post_grad_custom_post_pass
     entries = current if isinstance(current, (list, tuple)) else [current]
     ours = [entry for entry in entries if isinstance(entry, SatfinitePass)]
-    if ours and ours[0].covers(any_device=any_device, integer_amax=integer_amax):
+    if ours and ours[0].covers(
+        any_device=any_device, integer_amax=integer_amax, satfinite=satfinite
+    ):
         return
     if ours:
         any_device = any_device or ours[0].any_device
         integer_amax = integer_amax or ours[0].integer_amax
+        satfinite = satfinite or ours[0].satfinite
     others, sequence = _others()
-    new = SatfinitePass(any_device=any_device, integer_amax=integer_amax)
+    new = SatfinitePass(any_device=any_device, integer_amax=integer_amax, satfinite=satfinite)
     if not others:
         inductor_config.post_grad_custom_post_pass = new
     elif _TAKES_A_SEQUENCE:

@@ -54,11 +54,14 @@ class Float8Linear(nn.Linear):
         # code must not read it: an int attribute would be guarded on and recompile).
         register_delayed_buffers(self, self.config, device=self.weight.device)
         check_float8_compatible(self, self.config, fqn)
-        if self.config.compiled_satfinite:
+        if self.config.compiled_satfinite or self.config.compiled_integer_amax:
             # Imported here: torch._inductor takes half a second to import.
             from fp8train.inductor import install_satfinite_pass
 
-            install_satfinite_pass(integer_amax=self.config.compiled_integer_amax)
+            install_satfinite_pass(
+                integer_amax=self.config.compiled_integer_amax,
+                satfinite=self.config.compiled_satfinite,
+            )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         device_type = input.device.type

@@ -292,11 +292,14 @@ def test_install_warns_and_keeps_a_plain_function_it_cannot_run_before_its_own(m
 
 
 def test_a_layer_installs_the_pass_unless_its_config_says_not_to():
+    off = Float8LinearConfig(compiled_satfinite=False, compiled_integer_amax=False)
     with inductor_config.patch(post_grad_custom_post_pass=None):
-        Float8Linear(32, 32, config=Float8LinearConfig(compiled_satfinite=False))
+        Float8Linear(32, 32, config=off)
         assert inductor_config.post_grad_custom_post_pass is None
         Float8Linear(32, 32)
-        assert isinstance(inductor_config.post_grad_custom_post_pass, SatfinitePass)
+        installed = inductor_config.post_grad_custom_post_pass
+        assert isinstance(installed, SatfinitePass)
+        assert installed.satfinite and installed.integer_amax  # the defaults
 
 
 needs_float8_gpu = pytest.mark.skipif(FLOAT8_GPU_REASON is not None, reason=str(FLOAT8_GPU_REASON))
@@ -381,11 +384,16 @@ class AmaxRecorder(CustomGraphPass):
         return f"test-amax-recorder-{id(self)}"
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=needs_float8_gpu)], ids=["cpu", "cuda"]
+)
 @pytest.mark.parametrize("make_config", CONFIGS)
-def test_integer_amax_gives_the_same_numbers_and_scales(make_config):
+def test_integer_amax_gives_the_same_numbers_and_scales(make_config, device):
     """A compiled Float8Linear with its amaxes taken as integer maxima trains as it does
-    with inductor's float maxima: same output, gradients and delayed-scaling state."""
-    x = torch.randn(32, 64)
+    with inductor's float maxima: same output, gradients and delayed-scaling state (bf16 on
+    CUDA, bit for bit)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(256 if device == "cuda" else 32, 64, device=device, dtype=dtype)
     results = []
     for rewrite in (False, True):
         recorder = AmaxRecorder() if rewrite else None
@@ -421,19 +429,28 @@ def test_integer_amax_propagates_nan_and_inf_like_the_float_maximum():
                 assert torch.equal(got[~got.isnan()], want[~want.isnan()]), (dtype, hp)
 
 
-def test_integer_amax_needs_the_satfinite_pass():
-    with pytest.raises(ValueError, match="compiled_integer_amax=True needs compiled_satfinite"):
-        Float8LinearConfig(compiled_satfinite=False, compiled_integer_amax=True)
-
-
-def test_a_layer_asking_for_integer_amax_upgrades_the_installed_pass():
+def test_integer_amax_works_without_the_satfinite_part():
+    """compiled_integer_amax alone installs a pass that rewrites the amaxes and keeps every
+    clamp (even forced on any device)."""
     with inductor_config.patch(post_grad_custom_post_pass=None):
-        Float8Linear(32, 32)
+        Float8Linear(32, 32, config=Float8LinearConfig(compiled_satfinite=False))
+        installed = inductor_config.post_grad_custom_post_pass
+        assert installed.integer_amax and not installed.satfinite
+    graph = _one_cast_graph(-448.0, 448.0, E4M3)
+    SatfinitePass(any_device=True, integer_amax=True, satfinite=False)(graph)
+    assert _clamped_conversions(graph) == 1
+
+
+def test_a_layer_asking_for_more_upgrades_the_installed_pass():
+    """Layers only add to the process-wide pass: what one asks for stays for all."""
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        Float8Linear(32, 32, config=Float8LinearConfig(compiled_integer_amax=False))
         assert not inductor_config.post_grad_custom_post_pass.integer_amax
-        Float8Linear(32, 32, config=Float8LinearConfig(compiled_integer_amax=True))
-        assert inductor_config.post_grad_custom_post_pass.integer_amax
-        Float8Linear(32, 32)
-        assert inductor_config.post_grad_custom_post_pass.integer_amax
+        Float8Linear(32, 32, config=Float8LinearConfig(compiled_satfinite=False))
+        installed = inductor_config.post_grad_custom_post_pass
+        assert installed.integer_amax and installed.satfinite
+        Float8Linear(32, 32, config=Float8LinearConfig(compiled_integer_amax=False))
+        assert inductor_config.post_grad_custom_post_pass is installed
 
 
 def test_benchmarks_set_the_pass_exactly_as_each_config_asks():
@@ -442,10 +459,14 @@ def test_benchmarks_set_the_pass_exactly_as_each_config_asks():
     from benchmarks.utils import inductor_pass_as
 
     with inductor_config.patch(post_grad_custom_post_pass=None):
-        inductor_pass_as(Float8LinearConfig(compiled_integer_amax=True))
-        assert inductor_config.post_grad_custom_post_pass.integer_amax
         inductor_pass_as(Float8LinearConfig())
+        installed = inductor_config.post_grad_custom_post_pass
+        assert installed.integer_amax and installed.satfinite
+        inductor_pass_as(Float8LinearConfig(compiled_integer_amax=False))
         installed = inductor_config.post_grad_custom_post_pass
         assert isinstance(installed, SatfinitePass) and not installed.integer_amax
         inductor_pass_as(Float8LinearConfig(compiled_satfinite=False))
+        installed = inductor_config.post_grad_custom_post_pass
+        assert installed.integer_amax and not installed.satfinite
+        inductor_pass_as(Float8LinearConfig(compiled_satfinite=False, compiled_integer_amax=False))
         assert inductor_config.post_grad_custom_post_pass is None
