@@ -107,7 +107,7 @@ def _unclamped(graph: fx.Graph, node: fx.Node, before: fx.Node, fp8_max: float) 
             if wide is not None:
                 # scaled + wide * 0: wide * 0 is NaN for an inf and a zero of wide's sign
                 # otherwise, which adds nothing to scaled (of the same sign: the scale is
-                # positive), -0.0 included. Two instructions instead of the select's eight.
+                # positive), -0.0 included. Two instructions instead of about nine.
                 zero = graph.call_function(_aten.mul.Tensor, (wide, 0.0))
                 out = graph.call_function(_aten.add.Tensor, (kept[1], zero))
                 zero.meta = dict(node.meta)
