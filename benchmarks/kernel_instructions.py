@@ -35,7 +35,7 @@ import torch
 from benchmarks.saved_by_block import CONFIGS, block_and_inputs, configured
 from benchmarks.utils import markdown_table, print_environment
 from fp8train import sync_float8_amax_and_scale_history
-from fp8train.inductor import install_satfinite_pass, uninstall_satfinite_pass
+from fp8train.inductor import SatfinitePass
 from fp8train.models import ModelArgs
 
 BLOCKS = {
@@ -46,9 +46,15 @@ BLOCKS = {
 """Per kind of kernel: the block sizes it is compiled with, and its warps."""
 
 
-def generated_backward_kernels(block: torch.nn.Module, steps: int, *inputs) -> list[str]:  # noqa: ANN002
+def generated_backward_kernels(
+    block: torch.nn.Module,
+    steps: int,
+    *inputs,  # noqa: ANN002
+    graph_pass: SatfinitePass | None = None,
+) -> list[str]:
     """The Triton sources inductor generates for the backward of `block` compiled, in its
-    last of `steps` steps (delayed scaling needs a step with recorded scales)."""
+    last of `steps` steps (delayed scaling needs a step with recorded scales), with
+    `graph_pass` as inductor's post-grad pass, whatever the layers installed."""
     import torch._inductor.config as inductor_config
     import torch.utils._triton as triton_utils
     from torch._inductor.codegen import triton as triton_codegen
@@ -71,7 +77,8 @@ def generated_backward_kernels(block: torch.nn.Module, steps: int, *inputs) -> l
         setattr(owner, name, value)
     compiled = torch.compile(block, fullgraph=True)
     try:
-        with inductor_config.patch(fx_graph_cache=False, cpu_backend="cpp"):
+        options = {"fx_graph_cache": False, "post_grad_custom_post_pass": graph_pass}
+        with inductor_config.patch(cpu_backend="cpp", **options):
             for step in range(steps):
                 if step == steps - 1:
                     torch._dynamo.reset()  # the last step compiles forward and backward anew
@@ -84,7 +91,7 @@ def generated_backward_kernels(block: torch.nn.Module, steps: int, *inputs) -> l
         heuristics_log = logging.getLogger("torch._inductor.runtime.triton_heuristics")
         level = heuristics_log.level
         heuristics_log.setLevel(logging.CRITICAL)
-        with inductor_config.patch(fx_graph_cache=False, cpu_backend="triton"):
+        with inductor_config.patch(cpu_backend="triton", **options):
             try:
                 out.float().sum().backward()
             except Exception as error:  # noqa: BLE001  running Triton code on a CPU fails
@@ -168,10 +175,12 @@ def describe(sources: list[str]) -> list[dict]:
 
 def main(args: argparse.Namespace) -> dict[str, list[dict]]:
     print_environment()
-    if args.satfinite:
-        install_satfinite_pass(any_device=True, integer_amax=args.integer_amax)
-    else:
-        uninstall_satfinite_pass()
+    graph_pass = None
+    if args.satfinite or args.integer_amax:
+        # Forced on for the CPU's Triton code, which is what a GPU would run.
+        graph_pass = SatfinitePass(
+            any_device=True, integer_amax=args.integer_amax, satfinite=args.satfinite
+        )
     block_args = ModelArgs(
         dim=args.dim, n_heads=args.heads, ffn_dim=args.ffn_dim, max_seq_len=args.tokens
     )
@@ -179,7 +188,8 @@ def main(args: argparse.Namespace) -> dict[str, list[dict]]:
     tables = {}
     for name in args.configs:
         steps = 2 if "delayed" in name else 1
-        rows = describe(generated_backward_kernels(configured(base, name), steps, *inputs))
+        block = configured(base, name)
+        rows = describe(generated_backward_kernels(block, steps, *inputs, graph_pass=graph_pass))
         total = sum(row["M instructions"] for row in rows)
         print(f"\n##### {name}: backward's kernels, {total:.1f} M instructions in all")
         print(markdown_table(rows))
@@ -204,9 +214,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--integer-amax",
-        action="store_true",
-        help="with --satfinite: amaxes as integer maxima too "
-        "(Float8LinearConfig.compiled_integer_amax)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="amaxes as integer maxima, as fp8train does by default "
+        "(Float8LinearConfig.compiled_integer_amax; --no-integer-amax: inductor's float "
+        "maxima). With --no-satfinite --no-integer-amax the casts compile as inductor writes "
+        "them",
     )
 
 

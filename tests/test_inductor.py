@@ -362,8 +362,8 @@ def test_compiled_layers_give_the_same_numbers_with_the_pass_on_cuda(make_config
 
 
 def test_a_forced_pass_stays_when_layers_install_theirs():
-    """benchmarks/kernel_instructions.py forces the pass on before it builds float8 layers,
-    which install the pass of their own: the forced one must stay."""
+    """A pass forced on for every device (as for instruction counts on a CPU) stays forced
+    when float8 layers built later install the pass of their own."""
     with inductor_config.patch(post_grad_custom_post_pass=None):
         install_satfinite_pass(any_device=True)
         Float8Linear(32, 32)
