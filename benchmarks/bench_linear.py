@@ -45,6 +45,7 @@ from torch import nn
 
 import fp8train.kernels.cast
 from benchmarks.utils import (
+    PASS_VARIANTS,
     delayed_config,
     device_time_s,
     fp8_peak_tflops,
@@ -52,6 +53,7 @@ from benchmarks.utils import (
     markdown_table,
     median_time_s,
     print_environment,
+    with_pass_variant,
     write_csv,
 )
 from fp8train import (
@@ -180,14 +182,9 @@ def bench_shape(
     if cast_kernels:
         config = dataclasses.replace(config, compiled_cast_kernels=COMPILED_CASTS[cast_kernels])
         recipe = f"{recipe}+cast-{cast_kernels}"
-    if saturation == "clamp":
-        config = dataclasses.replace(config, compiled_satfinite=False, compiled_integer_amax=False)
-        recipe = f"{recipe}+clamp"
-    elif saturation == "float-amax":
-        config = dataclasses.replace(config, compiled_integer_amax=False)
-        recipe = f"{recipe}+float-amax"
-    elif saturation == "integer-amax":
-        recipe = f"{recipe}+integer-amax"
+    config = with_pass_variant(config, saturation)
+    if saturation != "satfinite":
+        recipe = f"{recipe}+{saturation}"
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
     inductor_pass_as(config)  # a layer of an earlier row may have installed another
     layers = {"ref": ref, "fp8": fp8_layer}
@@ -341,7 +338,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--saturation",
         nargs="+",
         default=["satfinite"],
-        choices=["satfinite", "clamp", "float-amax", "integer-amax"],
+        choices=PASS_VARIANTS,
         help="compiled rows: fp8train's inductor pass as configs have it by default (the "
         "casts' saturation left to Triton's conversion, amaxes as integer maxima: "
         "Float8LinearConfig.compiled_satfinite and compiled_integer_amax; integer-amax names "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import platform
 import sys
@@ -138,13 +139,27 @@ def inductor_pass_as(config: Float8LinearConfig) -> None:
     """fp8train.inductor's pass exactly as `config` asks for it. Layers only ever add to the
     process-wide pass (a layer built without an option leaves another layer's pass as it
     is); a benchmark that compares configs in one process replaces it before compiling."""
-    from fp8train.inductor import install_satfinite_pass, uninstall_satfinite_pass
+    from fp8train.inductor import install_pass_for, uninstall_satfinite_pass
 
     uninstall_satfinite_pass()
-    if config.compiled_satfinite or config.compiled_integer_amax:
-        install_satfinite_pass(
-            integer_amax=config.compiled_integer_amax, satfinite=config.compiled_satfinite
-        )
+    install_pass_for(config)
+
+
+PASS_VARIANTS = ("satfinite", "integer-amax", "float-amax", "clamp")
+"""fp8train's inductor pass as benchmarks name its variants: satfinite and integer-amax are
+the defaults (both parts on), float-amax the pass without its integer amaxes, clamp no pass
+(the casts as inductor writes them)."""
+
+
+def with_pass_variant(config: Float8LinearConfig, variant: str) -> Float8LinearConfig:
+    """`config` with fp8train's inductor pass as PASS_VARIANTS' `variant` says."""
+    if variant not in PASS_VARIANTS:
+        raise ValueError(f"unknown pass variant {variant!r}: one of {', '.join(PASS_VARIANTS)}")
+    if variant in ("float-amax", "clamp"):
+        config = dataclasses.replace(config, compiled_integer_amax=False)
+    if variant == "clamp":
+        config = dataclasses.replace(config, compiled_satfinite=False)
+    return config
 
 
 def delayed_config(**kwargs: object) -> Float8LinearConfig:

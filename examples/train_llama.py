@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
-import dataclasses
 import gc
 import json
 import math
@@ -38,7 +37,7 @@ from torch._inductor import config as inductor_config
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from benchmarks.utils import environment, inductor_pass_as
+from benchmarks.utils import PASS_VARIANTS, environment, inductor_pass_as, with_pass_variant
 from examples.e2e_report import (
     BASE_NAMES,
     caption_of,
@@ -164,9 +163,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return torchao_float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=keep_lm_head
         )
-    clamp, float_amax = name.endswith("-clamp"), name.endswith("-float-amax")
-    for suffix in ("-clamp", "-float-amax", "-integer-amax"):
-        name = name.removesuffix(suffix)
+    variant = next((v for v in PASS_VARIANTS if name.endswith(f"-{v}")), "satfinite")
+    name = name.removesuffix(f"-{variant}")
     if name.startswith("tensorwise-delayed"):
         delayed = CastConfig(scaling_type="delayed")
         config = Float8LinearConfig(
@@ -187,10 +185,7 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         use_float8_swiglu(model, exact_forward=name.endswith("-exact"))
     else:
         config = Float8LinearConfig.from_recipe_name(name)
-    if clamp or float_amax:
-        config = dataclasses.replace(config, compiled_integer_amax=False)
-    if clamp:
-        config = dataclasses.replace(config, compiled_satfinite=False)
+    config = with_pass_variant(config, variant)
     inductor_pass_as(config)  # process-wide: an earlier run may have installed another
     model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
     return tie_shared_delayed_inputs(model) if "-tied" in name else model

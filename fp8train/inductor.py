@@ -320,6 +320,15 @@ def install_satfinite_pass(
         )
 
 
+def install_pass_for(config: object) -> None:
+    """install_satfinite_pass with what a Float8LinearConfig asks of it (its
+    compiled_satfinite and compiled_integer_amax); nothing if it asks for neither."""
+    if config.compiled_satfinite or config.compiled_integer_amax:
+        install_satfinite_pass(
+            integer_amax=config.compiled_integer_amax, satfinite=config.compiled_satfinite
+        )
+
+
 def uninstall_satfinite_pass() -> None:
     """Undo install_satfinite_pass, leaving the other passes installed."""
     others, sequence = _others()

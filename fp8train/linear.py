@@ -56,12 +56,9 @@ class Float8Linear(nn.Linear):
         check_float8_compatible(self, self.config, fqn)
         if self.config.compiled_satfinite or self.config.compiled_integer_amax:
             # Imported here: torch._inductor takes half a second to import.
-            from fp8train.inductor import install_satfinite_pass
+            from fp8train.inductor import install_pass_for
 
-            install_satfinite_pass(
-                integer_amax=self.config.compiled_integer_amax,
-                satfinite=self.config.compiled_satfinite,
-            )
+            install_pass_for(self.config)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         device_type = input.device.type

@@ -470,3 +470,22 @@ def test_benchmarks_set_the_pass_exactly_as_each_config_asks():
         assert installed.integer_amax and not installed.satfinite
         inductor_pass_as(Float8LinearConfig(compiled_satfinite=False, compiled_integer_amax=False))
         assert inductor_config.post_grad_custom_post_pass is None
+
+
+def test_benchmarks_pass_variants_set_the_configs_options():
+    from benchmarks.utils import with_pass_variant
+
+    base = Float8LinearConfig()
+    options = {
+        variant: (config.compiled_satfinite, config.compiled_integer_amax)
+        for variant in ("satfinite", "integer-amax", "float-amax", "clamp")
+        for config in [with_pass_variant(base, variant)]
+    }
+    assert options == {
+        "satfinite": (True, True),
+        "integer-amax": (True, True),
+        "float-amax": (True, False),
+        "clamp": (False, False),
+    }
+    with pytest.raises(ValueError, match="unknown pass variant 'fast'"):
+        with_pass_variant(base, "fast")
