@@ -41,6 +41,7 @@ import itertools
 import statistics
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 import fp8train.kernels.cast
@@ -359,12 +360,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="dense float8 peak for the %% column (default: 1979 on H100/H200, else none)",
     )
+    parser.add_argument(
+        "--inductor",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="torch._inductor.config options for every compiled row, bf16 and torchao.float8 "
+        "included, by their dotted names, values as Python literals: for example "
+        "coordinate_descent_tuning=True",
+    )
     parser.add_argument("--csv")
     parser.add_argument("--plot", help="write a PNG of the speedups to this path")
 
 
 def main(args: argparse.Namespace) -> None:
+    from examples.train_llama import inductor_options
 
+    options = inductor_options(args.inductor)
+    with torch._inductor.config.patch(options):
+        _main(args, options)
+
+
+def _main(args: argparse.Namespace, inductor: dict) -> None:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     ref_names = args.ref_dtypes or (["bf16"] if args.device == "cuda" else ["fp32"])
     if args.shape:
@@ -384,6 +400,7 @@ def main(args: argparse.Namespace) -> None:
         fp8train.kernels.cast.TILE = tuple(args.cast_tile)
     print_environment()
     print(f"- cast kernel tile: {fp8train.kernels.cast.TILE}")
+    print(f"- torch._inductor.config options: {inductor or 'defaults'}")
     print(f"- torchao.float8: {'importable' if torchao_float8 else 'not importable'}\n")
     names = [r.value for r in Float8LinearRecipeName] if "all" in args.recipes else args.recipes
     recipes = [(recipe, "dynamic") for recipe in names if "dynamic" in args.scaling]

@@ -176,6 +176,28 @@ def test_bench_linear_times_each_compile_mode_asked_for(capsys):
     ]
 
 
+def test_bench_linear_holds_inductor_options_for_its_rows_and_restores_them(capsys, monkeypatch):
+    from torch._inductor import config
+
+    from benchmarks import bench_linear
+
+    seen = []
+    bench_shape = bench_linear.bench_shape
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(config.coordinate_descent_tuning)
+        return bench_shape(*args, **kwargs)
+
+    monkeypatch.setattr(bench_linear, "bench_shape", recording)
+    argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "both"]
+    main([*argv, "--inductor", "coordinate_descent_tuning=True"])
+    assert seen == [True, True]
+    assert not config.coordinate_descent_tuning
+    assert "options: {'coordinate_descent_tuning': True}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="takes a bool"):
+        main([*argv, "--inductor", "coordinate_descent_tuning=1"])
+
+
 def test_bench_linear_times_a_models_layers_with_the_auto_filters_choice(capsys, monkeypatch):
     from benchmarks import bench_linear
     from fp8train import auto_filter
