@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from fp8train.cast import eager_rows_per_piece, to_float8
-from fp8train.config import ScalingGranularity
+from fp8train.config import HP_DTYPES, ScalingGranularity
 from fp8train.policy import _SAVE_POLICIES
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -84,7 +84,7 @@ def float8_swiglu(
             f"float8_swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one "
             "shape (the outputs of w1 and w3 for the same input)"
         )
-    if gate.dtype != up.dtype or not gate.is_floating_point() or gate.element_size() == 1:
+    if gate.dtype != up.dtype or gate.dtype not in HP_DTYPES:
         raise ValueError(
             f"float8_swiglu: gate ({gate.dtype}) and up ({up.dtype}) must share one high-"
             "precision floating dtype (float32, bfloat16 or float16)"
@@ -93,8 +93,10 @@ def float8_swiglu(
         raise ValueError(
             f"float8_swiglu: float8_dtype={float8_dtype} is not one of {FLOAT8_DTYPES}"
         )
-    if gate.dim() == 0 or gate.numel() == 0:
-        raise ValueError(f"float8_swiglu: gate of shape {tuple(gate.shape)} has no rows to scale")
+    if gate.dim() == 0:
+        raise ValueError("float8_swiglu: gate is a scalar; it needs a last dim to scale along")
+    if gate.numel() == 0:
+        return F.silu(gate) * up  # no tokens (an empty batch): nothing to scale
     if torch.compiler.is_compiling():
         keep = functools.partial(create_selective_checkpoint_contexts, _SAVE_POLICIES[True])
         copies = checkpoint(_copies, gate, up, float8_dtype, use_reentrant=False, context_fn=keep)

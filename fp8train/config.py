@@ -374,6 +374,18 @@ class Float8LinearConfig:
             ("compiled_transpose_kernels", "('grad_output',)"),
         ):
             object.__setattr__(self, field, _kernel_roles(field, getattr(self, field), example))
+        for field in dataclasses.fields(self):
+            kind = {"cast": CastConfig, "gemm": Float8GemmConfig}.get(field.name.split("_")[0])
+            if not kind:
+                continue
+            value = getattr(self, field.name)
+            optional = "_for_" in field.name  # an override: None takes the role's config
+            if not isinstance(value, kind) and not (optional and value is None):
+                example = "scaling_type='dynamic'" if kind is CastConfig else "use_fast_accum=True"
+                raise TypeError(
+                    f"Float8LinearConfig.{field.name}={value!r} is not a {kind.__name__}: give "
+                    f"{kind.__name__}(...), for example {kind.__name__}({example})"
+                )
         base = {
             Role.INPUT: self.cast_config_input,
             Role.WEIGHT: self.cast_config_weight,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -24,13 +25,34 @@ def convert_to_float8_training(
 
     `module_filter_fn(linear, fqn)` returns False for layers to leave in high precision; fqn is
     the layer's dotted name in `module` ("" for the root). A layer that cannot run float8 gemms
-    raises a ValueError that names it and says what to do.
+    raises a ValueError that names it and says what to do, and so does a subclass of nn.Linear
+    with a forward of its own (swapping it would drop that forward). nn.MultiheadAttention
+    never calls its `out_proj` as a module: it stays in high precision, with a warning.
     """
     config = config or Float8LinearConfig()
 
+    def wanted(linear: nn.Linear, fqn: str) -> bool:
+        return module_filter_fn is None or module_filter_fn(linear, fqn)
+
     def convert(child: nn.Module, fqn: str) -> nn.Module:
+        if isinstance(child, nn.MultiheadAttention):
+            if wanted(child.out_proj, f"{fqn}.out_proj" if fqn else "out_proj"):
+                warnings.warn(
+                    f"'{fqn}' is an nn.MultiheadAttention, which multiplies by its projection "
+                    "weights itself and never calls out_proj as a module, so float8 cannot run "
+                    "there: it stays in high precision. Attention written with nn.Linear "
+                    "projections called as modules trains in float8.",
+                    stacklevel=3,
+                )
+            return child
         if isinstance(child, nn.Linear) and not isinstance(child, Float8Linear):
-            if module_filter_fn is None or module_filter_fn(child, fqn):
+            if wanted(child, fqn):
+                if type(child).forward is not nn.Linear.forward:
+                    raise ValueError(
+                        f"'{fqn}': {type(child).__name__} subclasses nn.Linear with a forward of "
+                        "its own, which a Float8Linear would replace: leave it out with "
+                        "module_filter_fn, or convert the nn.Linear layers it calls"
+                    )
                 new = Float8Linear.from_float(child, config, fqn=fqn)
                 if config.enable_fsdp_float8_all_gather:
                     wrap_weight_for_fsdp(new, config.round_scales_to_power_of_2)

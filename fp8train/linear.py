@@ -16,6 +16,8 @@ from fp8train.delayed import (
 from fp8train.gemm import ALIGNMENT, misaligned_message
 from fp8train.matmul import (
     blockwise_tokens_misaligned,
+    check_input_dtype,
+    empty_product,
     linear_mm,
     tokens_misaligned,
     uses_blockwise,
@@ -66,6 +68,10 @@ class Float8Linear(nn.Linear):
             # Autocast does not see inside the float8 matmul: apply its dtype here, as it
             # would for nn.Linear.
             input = input.to(torch.get_autocast_dtype(device_type))
+        check_input_dtype(input, self.fqn)
+        if input.numel() == 0:
+            output = empty_product(input, self.weight)
+            return output if self.bias is None else output + self.bias.to(output.dtype)
         # self.fqn is read only to raise: torch.compile would otherwise guard on the string
         # and recompile forward once per layer.
         if blockwise_tokens_misaligned(input, self.weight, self.config):

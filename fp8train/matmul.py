@@ -15,7 +15,15 @@ from __future__ import annotations
 import torch
 
 from fp8train.cast import cast_for_gemm, cast_for_gemms, cast_key
-from fp8train.config import BLOCK, Float8LinearConfig, Gemm, Role, ScalingGranularity, ScalingType
+from fp8train.config import (
+    BLOCK,
+    HP_DTYPES,
+    Float8LinearConfig,
+    Gemm,
+    Role,
+    ScalingGranularity,
+    ScalingType,
+)
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.gemm import ALIGNMENT, misaligned_message, scaled_mm
 from fp8train.policy import (
@@ -330,6 +338,24 @@ def _recast(
     return fp8
 
 
+def check_input_dtype(input: torch.Tensor, fqn: str = "") -> None:
+    """Raise a TypeError naming the layer if float8 training cannot cast `input`."""
+    if input.dtype not in HP_DTYPES:
+        name = f"Float8Linear '{fqn}'" if fqn else "float8 matmul"
+        raise TypeError(
+            f"{name}: input dtype {input.dtype} is not float32, bfloat16 or float16, which "
+            "float8 training casts from: cast the input to the model's dtype, or leave this "
+            "layer out with module_filter_fn"
+        )
+
+
+def empty_product(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`input @ weight.T` for an input without tokens (an empty batch, an expert that got
+    none): nothing to scale, and the high-precision product of nothing gives nn.Linear's empty
+    output and zero weight gradient."""
+    return input @ weight.to(input.dtype).t()
+
+
 def float8_matmul(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -343,6 +369,15 @@ def float8_matmul(
     layer in error messages.
     """
     config = config or Float8LinearConfig()
+    check_input_dtype(input, fqn)
+    if weight.dim() != 2 or input.dim() == 0 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"float8_matmul: input {tuple(input.shape)} and weight {tuple(weight.shape)} do not "
+            "make input @ weight.T: give a weight of shape (N, K) and an input of shape "
+            "(..., K), as nn.Linear's"
+        )
+    if input.numel() == 0:
+        return empty_product(input, weight)
     if tokens_misaligned(input, weight, config):
         raise ValueError(
             misaligned_message(

@@ -251,9 +251,21 @@ def test_a_model_with_float8_swiglu_trains(exact_forward):
         (torch.randn(4, 8), torch.randn(4, 8, dtype=torch.bfloat16), {}, "one high-precision"),
         (torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32), {}, "floating"),
         (torch.randn(4, 8), torch.randn(4, 8), {"float8_dtype": torch.bfloat16}, "is not one of"),
-        (torch.randn(()), torch.randn(()), {}, "no rows to scale"),
+        (torch.randn(4, 8).double(), torch.randn(4, 8).double(), {}, "float32, bfloat16 or"),
+        (torch.randn(()), torch.randn(()), {}, "scalar; it needs a last dim"),
     ],
 )
 def test_bad_input_is_refused_by_name(gate, up, kwargs, match):
     with pytest.raises(ValueError, match=match):
         float8_swiglu(gate, up, **kwargs)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_no_tokens_give_an_empty_output_and_empty_gradients(compiled):
+    gate = torch.randn(2, 0, 32, requires_grad=True)
+    up = torch.randn(2, 0, 32, requires_grad=True)
+    swiglu = torch.compile(float8_swiglu, fullgraph=True) if compiled else float8_swiglu
+    out = swiglu(gate, up)
+    out.sum().backward()
+    assert out.shape == (2, 0, 32)
+    assert gate.grad.shape == gate.shape and up.grad.shape == up.shape

@@ -52,6 +52,21 @@ def test_bad_enum_string_names_the_choices():
         CastConfig(scaling_granularity="colwise")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"cast_config_input": "dynamic"}, r"cast_config_input='dynamic' is not a CastConfig"),
+        ({"cast_config_weight_for_grad_input": 3}, "is not a CastConfig: give CastConfig"),
+        ({"gemm_config_output": None}, r"gemm_config_output=None is not a Float8GemmConfig"),
+    ],
+)
+def test_sub_configs_of_the_wrong_type_are_refused_by_field(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        Float8LinearConfig(**kwargs)
+    # The per-gemm overrides may be None: the role's config applies.
+    assert Float8LinearConfig(cast_config_weight_for_grad_input=None)
+
+
 def test_target_dtype_must_be_float8():
     with pytest.raises(ValueError, match="not a float8 dtype"):
         CastConfig(target_dtype=torch.bfloat16)

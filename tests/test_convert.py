@@ -1,5 +1,7 @@
 """convert_to_float8_training: the swap, the filter, and what stays the same."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -119,3 +121,30 @@ def test_converted_model_trains():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_a_linear_subclass_with_its_own_forward_is_refused_not_swapped():
+    class Scaled(nn.Linear):
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.Linear(32, 32), Scaled(32, 32))
+    with pytest.raises(ValueError, match=r"'1': Scaled subclasses nn.Linear with a forward"):
+        convert_to_float8_training(model)
+    # Left out by the filter, it stays as it is and the rest converts.
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "1")
+    assert type(model[0]) is Float8Linear and type(model[1]) is Scaled
+
+
+def test_multihead_attention_stays_high_precision_with_a_warning():
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    with pytest.warns(UserWarning, match="'self_attn' is an nn.MultiheadAttention"):
+        convert_to_float8_training(layer)
+    assert type(layer.self_attn.out_proj) is not Float8Linear
+    assert type(layer.linear1) is Float8Linear and type(layer.linear2) is Float8Linear
+    assert layer(torch.randn(2, 16, 32)).shape == (2, 16, 32)
+    # No warning when the filter leaves attention out anyway.
+    other = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_to_float8_training(other, module_filter_fn=lambda m, fqn: "self_attn" not in fqn)

@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from fp8train import Float8Linear, Float8LinearConfig, compute_error
-from tests.conftest import DEVICES, all_roles_config, hp_grad_weight_config, record_casts
+from tests.conftest import (
+    DEVICES,
+    all_roles_config,
+    hp_grad_weight_config,
+    one_pass_delayed_config,
+    record_casts,
+)
 
 # SQNR floors in dB against the fp32 layer (20 dB: 10% of the signal's norm).
 OUTPUT_SQNR = 20.0
@@ -139,6 +145,36 @@ def test_unsupported_weight_dtype_is_refused():
         Float8Linear.from_float(nn.Linear(64, 48).double())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_unsupported_input_dtype_is_refused_naming_the_layer(dtype):
+    layer = Float8Linear(64, 48, fqn="blocks.0.ffn.w1")
+    with pytest.raises(TypeError, match=rf"'blocks.0.ffn.w1': input dtype {dtype} is not"):
+        layer(torch.ones(16, 64, dtype=dtype))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "config", [Float8LinearConfig(), one_pass_delayed_config()], ids=["dynamic", "delayed"]
+)
+def test_no_tokens_give_linears_empty_output_and_zero_gradients(config, compiled):
+    """An empty batch (or a mixture-of-experts expert that got no tokens) runs as in
+    nn.Linear, eager and compiled, and records no amax."""
+    torch.manual_seed(0)
+    reference = nn.Linear(64, 48)
+    layer = Float8Linear.from_float(copy.deepcopy(reference), config)
+    history = [b.clone() for b in layer.buffers()]
+    run = torch.compile(layer, fullgraph=True) if compiled else layer
+    x = torch.randn(2, 0, 64, requires_grad=True)
+    out = run(x)
+    out.sum().backward()
+    reference(torch.randn(2, 0, 64)).sum().backward()
+    assert out.shape == (2, 0, 48)
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=0, atol=0)
+    assert layer.weight.grad.abs().sum() == 0 and x.grad.shape == x.shape
+    assert all(torch.equal(a, b) for a, b in zip(history, layer.buffers(), strict=True))
+
+
 def test_no_grad_forward_casts_only_for_the_output_gemm(monkeypatch):
     """Evaluation and inference: the same output, and no cast or copy kept for a backward
     that will not run (one layout per operand)."""
@@ -150,3 +186,41 @@ def test_no_grad_forward_casts_only_for_the_output_gemm(monkeypatch):
         evaluated = layer(x)
     assert [call.layouts for call in calls] == [1, 1]
     assert torch.equal(evaluated, layer(x.requires_grad_()).detach())
+
+
+def test_float8_matmul_is_a_bias_free_float8_linear():
+    from fp8train import float8_matmul
+
+    torch.manual_seed(0)
+    layer = Float8Linear(64, 48, bias=False)
+    weight = layer.weight.detach().clone().requires_grad_()
+    x = torch.randn(2, 8, 64)
+    out = float8_matmul(x, weight)
+    out.sum().backward()
+    layer(x).sum().backward()
+    torch.testing.assert_close(out, layer(x), rtol=0, atol=0)
+    torch.testing.assert_close(weight.grad, layer.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("x", "weight", "error", "match"),
+    [
+        (torch.randn(16, 64), torch.randn(64, 48), ValueError, r"\(16, 64\) and weight \(64, 48\)"),
+        (torch.randn(16, 64), torch.randn(48, 64, 1), ValueError, "give a weight of shape"),
+        (torch.randn(16, 64).double(), torch.randn(48, 64), TypeError, "float64 is not"),
+    ],
+)
+def test_float8_matmul_refuses_bad_operands_by_name(x, weight, error, match):
+    from fp8train import float8_matmul
+
+    with pytest.raises(error, match=match):
+        float8_matmul(x, weight)
+
+
+def test_float8_matmul_of_no_tokens_is_empty_with_a_zero_weight_gradient():
+    from fp8train import float8_matmul
+
+    weight = torch.randn(48, 64, requires_grad=True)
+    out = float8_matmul(torch.randn(0, 64), weight)
+    out.sum().backward()
+    assert out.shape == (0, 48) and weight.grad.abs().sum() == 0
