@@ -489,3 +489,48 @@ def test_benchmarks_pass_variants_set_the_configs_options():
     }
     with pytest.raises(ValueError, match="unknown pass variant 'fast'"):
         with_pass_variant(base, "fast")
+
+
+LAYOUTS_SHAPE = (8192, 14336)
+"""SwiGLU's hidden activations in the end-to-end model (8192 tokens, FFN 14336)."""
+
+
+@needs_float8_gpu
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize(
+    "mode", ["eager-kernel", "compiled", "compiled-given-scale", "compiled-tuned"]
+)
+def test_both_layouts_of_a_cast_hold_the_same_bytes_run_after_run_on_cuda(dtype, mode):
+    """A cast that writes both float8 layouts in one kernel (fp8train's eager cast kernel;
+    inductor's kernel fusing the cast with its producer, here SwiGLU's backward product, with
+    a dynamic or a given scale, with inductor's default or tuned block sizes) must store the
+    same bytes in each, every run. triton-lang/triton#11111 reports that ptxas 12.x on Hopper
+    can write foreign bytes into the transposed copy of a value a kernel also stores
+    contiguously, and a hand-written kernel of that shape showed it here
+    (benchmarks/bench_swiglu_backward.py)."""
+    from torch.nn import functional as F
+
+    from fp8train.cast import cast_layouts
+    from fp8train.config import ScalingGranularity
+
+    torch.manual_seed(0)
+    gate, grad = (torch.randn(LAYOUTS_SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    given = mode == "compiled-given-scale"
+    amax = torch.zeros((), device="cuda")
+
+    def cast(gate: torch.Tensor, grad: torch.Tensor) -> list:
+        return cast_layouts(
+            grad * F.silu(gate), dtype, ScalingGranularity.TENSORWISE, (False, True),
+            scale=torch.full((), 64.0, device="cuda") if given else None,
+            record_amax=amax if given else None,
+        )  # fmt: skip
+
+    torch._dynamo.reset()
+    options = {"fx_graph_cache": False, "coordinate_descent_tuning": mode == "compiled-tuned"}
+    with inductor_config.patch(options):
+        run = cast if mode == "eager-kernel" else torch.compile(cast, fullgraph=True)
+        for attempt in range(8):
+            row, col = run(gate, grad)
+            assert col._data.t().is_contiguous() and row._data.is_contiguous()
+            differ = int((col._data.view(torch.uint8) != row._data.view(torch.uint8)).sum())
+            assert differ == 0, f"run {attempt}: {differ} bytes of the column-major copy differ"
