@@ -482,3 +482,15 @@ def test_kernel_instructions_counts_the_ptx_of_a_blocks_backward(capsys):
     total = {name: sum(r["M instructions"] for r in rows) for name, rows in tables.items()}
     assert total["tensorwise"] > total["bf16"]
     assert "##### tensorwise: backward's kernels" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_bench_swiglu_backward_says_it_needs_a_gpu():
+    import argparse
+
+    from benchmarks import bench_swiglu_backward
+
+    parser = argparse.ArgumentParser()
+    bench_swiglu_backward.add_arguments(parser)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench_swiglu_backward.main(parser.parse_args([]))
