@@ -37,8 +37,9 @@ def convert_to_float8_training(
     def convert(child: nn.Module, fqn: str) -> nn.Module:
         if isinstance(child, nn.MultiheadAttention):
             if wanted(child.out_proj, f"{fqn}.out_proj" if fqn else "out_proj"):
+                name = f"'{fqn}'" if fqn else "the root module"
                 warnings.warn(
-                    f"'{fqn}' is an nn.MultiheadAttention, which multiplies by its projection "
+                    f"{name} is an nn.MultiheadAttention, which multiplies by its projection "
                     "weights itself and never calls out_proj as a module, so float8 cannot run "
                     "there: it stays in high precision. Attention written with nn.Linear "
                     "projections called as modules trains in float8.",
