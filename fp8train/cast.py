@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fp8train.config import (
     BLOCK,
+    FLOAT8_DTYPES,
+    HP_DTYPES,
     CastConfig,
     Float8LinearConfig,
     Gemm,
@@ -66,6 +68,16 @@ def to_float8(
     """Cast `hp` to float8 with a dynamic scale from its amax (reduced along `reduce_dim`
     for rowwise, per `block` for blockwise); `column_major` lays a 2-D result out
     column-major."""
+    if float8_dtype not in FLOAT8_DTYPES:
+        raise ValueError(
+            f"to_float8: float8_dtype={float8_dtype} is not a float8 dtype: give "
+            "torch.float8_e4m3fn or torch.float8_e5m2"
+        )
+    if hp.dtype not in HP_DTYPES:
+        raise TypeError(
+            f"to_float8: hp of dtype {hp.dtype} is not float32, bfloat16 or float16, which "
+            "float8 casts from: cast it to one of them first"
+        )
     (fp8,) = cast_layouts(
         hp,
         float8_dtype,
@@ -97,6 +109,7 @@ def eager_kernel(hp: torch.Tensor) -> bool:
     return (
         hp.is_cuda
         and hp.dim() == 2
+        and hp.numel() > 0  # nothing to launch for: the torch path makes the empty casts
         and HAS_TRITON
         and not torch.compiler.is_compiling()
         # A DTensor (tensor parallelism) has no kernel of ours: it takes the torch path,

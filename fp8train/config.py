@@ -500,3 +500,18 @@ class Float8LinearConfig:
         except KeyError:
             _parse(Gemm, gemm)  # raises, listing the gemms
             raise
+
+
+def config_or_default(config: object) -> Float8LinearConfig:
+    """`config`, or the default Float8LinearConfig for None; a TypeError for anything else
+    (a dict of options, a recipe's name), which would otherwise fail far from the call."""
+    if config is None:
+        return Float8LinearConfig()
+    if not isinstance(config, Float8LinearConfig):
+        shown = repr(config) if len(repr(config)) <= 80 else f"a {type(config).__name__}"
+        raise TypeError(
+            f"config={shown} is not a Float8LinearConfig: give Float8LinearConfig(...) "
+            "(Float8LinearConfig(**options) for a dict of options), or "
+            "Float8LinearConfig.from_recipe_name(name) for a recipe"
+        )
+    return config

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from fp8train.config import Float8LinearConfig
+from fp8train.config import Float8LinearConfig, config_or_default
 from fp8train.distributed.fsdp import wrap_weight_for_fsdp
 from fp8train.linear import Float8Linear
 
@@ -29,7 +29,11 @@ def convert_to_float8_training(
     with a forward of its own (swapping it would drop that forward). nn.MultiheadAttention
     never calls its `out_proj` as a module: it stays in high precision, with a warning.
     """
-    config = config or Float8LinearConfig()
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"convert_to_float8_training takes an nn.Module, got a {type(module).__name__}"
+        )
+    config = config_or_default(config)
 
     def wanted(linear: nn.Linear, fqn: str) -> bool:
         return module_filter_fn is None or module_filter_fn(linear, fqn)

@@ -29,7 +29,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from fp8train.cast import cast_key
-from fp8train.config import GEMM_OPERANDS, ROLE_GEMMS, Float8LinearConfig, Gemm, Role
+from fp8train.config import (
+    GEMM_OPERANDS,
+    ROLE_GEMMS,
+    Float8LinearConfig,
+    Gemm,
+    Role,
+    config_or_default,
+)
 
 HP_BYTES = 2  # bf16 activations and weights
 
@@ -91,7 +98,7 @@ def auto_filter(
     precision at `tokens` tokens per step (batch * sequence length per micro-batch).
     `compiled`: whether the model runs under torch.compile (eager float8 layers carry a host
     cost of their own). `also`: a second filter that must agree (say, to leave out lm_head)."""
-    config = config or Float8LinearConfig()
+    config = config_or_default(config)
     model = model or CostModel()
 
     def keep(module: nn.Module, fqn: str) -> bool:

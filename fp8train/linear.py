@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8train.config import BLOCK, HP_DTYPES, Float8LinearConfig, Gemm, ScalingGranularity
+from fp8train.config import (
+    BLOCK,
+    HP_DTYPES,
+    Float8LinearConfig,
+    Gemm,
+    ScalingGranularity,
+    config_or_default,
+)
 from fp8train.delayed import (
     buffer_names,
     delayed_roles,
@@ -16,7 +23,7 @@ from fp8train.delayed import (
 from fp8train.gemm import ALIGNMENT, misaligned_message
 from fp8train.matmul import (
     blockwise_tokens_misaligned,
-    check_input_dtype,
+    check_operand_dtypes,
     empty_product,
     linear_mm,
     tokens_misaligned,
@@ -44,7 +51,7 @@ class Float8Linear(nn.Linear):
         fqn: str = "",
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.config = config or Float8LinearConfig()
+        self.config = config_or_default(config)
         self.fqn = fqn
         """The layer's name in its model, for error messages."""
         self._observer = None
@@ -68,7 +75,7 @@ class Float8Linear(nn.Linear):
             # Autocast does not see inside the float8 matmul: apply its dtype here, as it
             # would for nn.Linear.
             input = input.to(torch.get_autocast_dtype(device_type))
-        check_input_dtype(input, self.fqn)
+        check_operand_dtypes(input, self.weight, self.fqn)
         if input.numel() == 0:
             output = empty_product(input, self.weight)
             return output if self.bias is None else output + self.bias.to(output.dtype)
@@ -128,7 +135,7 @@ class Float8Linear(nn.Linear):
         cls, module: nn.Linear, config: Float8LinearConfig | None = None, *, fqn: str = ""
     ) -> Float8Linear:
         """A Float8Linear that shares `module`'s weight and bias (the same Parameter objects)."""
-        config = config or Float8LinearConfig()
+        config = config_or_default(config)
         check_float8_compatible(module, config, fqn)
         with torch.device("meta"):
             new = cls(module.in_features, module.out_features, bias=False, config=config, fqn=fqn)

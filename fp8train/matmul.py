@@ -23,6 +23,7 @@ from fp8train.config import (
     Role,
     ScalingGranularity,
     ScalingType,
+    config_or_default,
 )
 from fp8train.delayed import DelayedState, stateful_scale
 from fp8train.gemm import ALIGNMENT, misaligned_message, scaled_mm
@@ -338,10 +339,17 @@ def _recast(
     return fp8
 
 
-def check_input_dtype(input: torch.Tensor, fqn: str = "") -> None:
-    """Raise a TypeError naming the layer if float8 training cannot cast `input`."""
+def check_operand_dtypes(input: torch.Tensor, weight: torch.Tensor, fqn: str = "") -> None:
+    """Raise a TypeError naming the layer if float8 training cannot cast `input` or
+    `weight`."""
+    name = f"Float8Linear '{fqn}'" if fqn else "float8 matmul"
+    if weight.dtype not in HP_DTYPES:
+        raise TypeError(
+            f"{name}: weight dtype {weight.dtype} is not float32, bfloat16 or float16, which "
+            "float8 training casts from (was the model cast, e.g. with .double(), after "
+            "convert_to_float8_training?): cast it to one of them"
+        )
     if input.dtype not in HP_DTYPES:
-        name = f"Float8Linear '{fqn}'" if fqn else "float8 matmul"
         raise TypeError(
             f"{name}: input dtype {input.dtype} is not float32, bfloat16 or float16, which "
             "float8 training casts from: cast the input to the model's dtype, or leave this "
@@ -368,8 +376,8 @@ def float8_matmul(
     input: (..., K) in fp32, bf16 or fp16; weight: (N, K), high precision. `fqn` names the
     layer in error messages.
     """
-    config = config or Float8LinearConfig()
-    check_input_dtype(input, fqn)
+    config = config_or_default(config)
+    check_operand_dtypes(input, weight, fqn)
     if weight.dim() != 2 or input.dim() == 0 or input.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"float8_matmul: input {tuple(input.shape)} and weight {tuple(weight.shape)} do not "

@@ -26,9 +26,15 @@ def amax(
         return _block_amax(hp, block)
     # vector_norm(ord=inf) reads the tensor once and makes no |hp| temporary, unlike abs().max().
     if granularity is ScalingGranularity.TENSORWISE:
+        if hp.numel() == 0:  # the maximum of nothing: 0, which gives the floor's scale
+            return hp.new_zeros((), dtype=torch.float32)
         return torch.linalg.vector_norm(hp, ord=float("inf"), dtype=torch.float32)
     if reduce_dim is None:
         raise ValueError("rowwise scaling needs the dim to reduce along (the gemm's inner dim)")
+    if hp.shape[reduce_dim] == 0:
+        shape = list(hp.shape)
+        shape[reduce_dim] = 1
+        return hp.new_zeros(shape, dtype=torch.float32)
     return torch.linalg.vector_norm(
         hp, ord=float("inf"), dim=reduce_dim, keepdim=True, dtype=torch.float32
     )

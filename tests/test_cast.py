@@ -161,3 +161,33 @@ def test_disabled_cast_returns_the_hp_tensor():
     config = hp_grad_weight_config()
     hp = torch.randn(4, 4)
     assert cast_for_gemm(hp, Role.INPUT, Gemm.GRAD_WEIGHT, config) is hp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("shape", "granularity", "reduce_dim"),
+    [((0, 64), "tensorwise", None), ((0, 64), "rowwise", -1), ((0, 64), "rowwise", 0),
+     ((16, 0), "rowwise", -1), ((16, 0), "tensorwise", None)],
+)  # fmt: skip
+def test_an_empty_tensor_casts_to_an_empty_float8_tensor_with_finite_scales(
+    device, shape, granularity, reduce_dim
+):
+    fp8 = to_float8(
+        torch.randn(shape, device=device), E4M3, ScalingGranularity(granularity),
+        reduce_dim=reduce_dim,
+    )  # fmt: skip
+    assert fp8.shape == shape and fp8.to_hp().shape == shape
+    assert torch.isfinite(fp8._scale).all()
+
+
+@pytest.mark.parametrize(
+    ("hp", "float8_dtype", "error", "match"),
+    [
+        (torch.ones(4, 16, dtype=torch.int64), E4M3, TypeError, "int64 is not float32"),
+        (torch.ones(4, 16, dtype=torch.float64), E4M3, TypeError, "float64 is not float32"),
+        (torch.ones(4, 16), torch.bfloat16, ValueError, "bfloat16 is not a float8 dtype"),
+    ],
+)
+def test_to_float8_refuses_what_it_cannot_cast_by_name(hp, float8_dtype, error, match):
+    with pytest.raises(error, match=match):
+        to_float8(hp, float8_dtype)

@@ -148,3 +148,17 @@ def test_multihead_attention_stays_high_precision_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         convert_to_float8_training(other, module_filter_fn=lambda m, fqn: "self_attn" not in fqn)
+
+
+@pytest.mark.parametrize(
+    ("module", "config", "match"),
+    [
+        ("model", None, "takes an nn.Module, got a str"),
+        (nn.Linear(32, 32), {"emulate": True}, r"config=\{'emulate': True\} is not a Float8"),
+        (nn.Linear(32, 32), "rowwise", "from_recipe_name"),
+        (nn.Linear(32, 32), {}, "is not a Float8LinearConfig"),  # not taken as the default
+    ],
+)
+def test_what_is_not_a_module_or_a_config_is_refused(module, config, match):
+    with pytest.raises(TypeError, match=match):
+        convert_to_float8_training(module, config=config)

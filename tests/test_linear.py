@@ -224,3 +224,9 @@ def test_float8_matmul_of_no_tokens_is_empty_with_a_zero_weight_gradient():
     out = float8_matmul(torch.randn(0, 64), weight)
     out.sum().backward()
     assert out.shape == (0, 48) and weight.grad.abs().sum() == 0
+
+
+def test_a_weight_cast_to_float64_after_conversion_is_named():
+    layer = Float8Linear(64, 48, fqn="blocks.0.ffn.w1").double()
+    with pytest.raises(TypeError, match=r"'blocks.0.ffn.w1': weight dtype torch.float64.*after"):
+        layer(torch.randn(16, 64, dtype=torch.float64))
