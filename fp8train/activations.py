@@ -60,10 +60,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from fp8train.cast import eager_rows_per_piece, to_float8
-from fp8train.config import HP_DTYPES, ScalingGranularity
+from fp8train.config import FLOAT8_DTYPES, HP_DTYPES, ScalingGranularity
 from fp8train.policy import _SAVE_POLICIES
-
-FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def float8_swiglu(

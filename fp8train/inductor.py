@@ -31,7 +31,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from fp8train.config import FLOAT8_DTYPES
 
 _PACKAGE = str(Path(__file__).parent)
 _TAKES_A_SEQUENCE = hasattr(custom_graph_pass, "get_custom_graph_passes")
