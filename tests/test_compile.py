@@ -30,6 +30,7 @@ from fp8train import (
     Float8LinearConfig,
     compute_error,
     convert_to_float8_training,
+    sync_float8_amax_and_scale_history,
 )
 from fp8train.kernels import HAS_TRITON
 from fp8train.models import ModelArgs, Transformer
@@ -79,6 +80,34 @@ def test_llama_model_is_one_graph_without_recompiles(backend, device, recompute_
     assert counter.frame_count == 1
     assert sum(counters["recompiles"].values()) == 0
     assert compute_error(model(tokens), compiled(tokens)) > 40
+
+
+@pytest.mark.parametrize(
+    ("make_config", "graphs"),
+    # One-pass delayed scaling compiles again once, when the scales become ready.
+    [(Float8LinearConfig, 1), (one_pass_delayed_config, 2)],
+    ids=["dynamic", "one-pass-delayed"],
+)
+def test_blocks_compiled_one_by_one_share_their_graphs(make_config, graphs):
+    """Compiling each block (as examples/train_llama.py does) compiles the block's code once
+    for all layers: nothing a layer's forward reads at trace time, such as its name, may
+    differ between layers, or each layer recompiles, and past dynamo's recompile limit
+    fullgraph fails."""
+    torch._dynamo.reset()
+    counters.clear()
+    args = ModelArgs(dim=64, n_layers=3, n_heads=4, ffn_dim=176, max_seq_len=32)
+    model = Transformer(args)
+    convert_to_float8_training(
+        model, config=make_config(), module_filter_fn=lambda module, fqn: fqn != "lm_head"
+    )
+    counter = CompileCounterWithBackend("eager")
+    for block in model.layers:
+        block.compile(fullgraph=True, backend=counter)
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    for _ in range(3):
+        model(tokens).float().sum().backward()
+        sync_float8_amax_and_scale_history(model)
+    assert counter.frame_count == graphs
 
 
 def test_dynamic_token_counts_share_one_graph():
