@@ -494,3 +494,43 @@ def test_bench_swiglu_backward_says_it_needs_a_gpu():
     bench_swiglu_backward.add_arguments(parser)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench_swiglu_backward.main(parser.parse_args([]))
+
+
+# SASS as cuobjdump prints it (encodings left out), from ptxas 12.8's sm_90 code of a Triton
+# kernel that stores a float8 pair row-major whole and column-major byte by byte.
+STALE_SASS = """
+        /*00c0*/                   LOP3.LUT R10, R10, 0xffff, RZ, 0xc0, !PT ;
+        /*02e0*/                   SHF.R.U32.HI R18, RZ, 0x8, R10 ;
+        /*0380*/                   F2FP.SATFINITE.E5M2.F32.PACK_AB_MERGE_C R21, R7, R14, RZ ;
+        /*03b0*/                   F2FP.SATFINITE.E5M2.F32.PACK_AB_MERGE_C R19, R6, R15, R21 ;
+        /*03e0*/                   PRMT R10, R19, 0x7610, R10 ;
+        /*0410*/                   STS.U8 [R11+UR4], R10 ;
+        /*0460*/                   STS.U8 [R7+UR4+0x100], R18 ;
+"""
+# The same bytes split correctly: the shift reads the pair after it is in place, or shifts
+# the register in place.
+FRESH_SASS = """
+        /*0c60*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R43, R43, R40, RZ ;
+        /*0c90*/                   LOP3.LUT R6, R43, 0xffff, RZ, 0xc0, !PT ;
+        /*0ce0*/                   SHF.R.U32.HI R6, RZ, 0x8, R6 ;
+        /*0e00*/                   PRMT R6, R6, 0x7610, R6 ;
+        /*1c90*/                   PRMT R4, R34, 0x7610, R4 ;
+        /*1cc0*/                   STS.U8 [R7+UR5], R4 ;
+        /*1ce0*/                   SHF.R.U32.HI R39, RZ, 0x8, R4.reuse ;
+        /*1cf0*/                   STS.U8 [R10+UR5+0x80], R39 ;
+"""
+
+
+def test_sass_scan_flags_a_shift_that_reads_a_register_before_its_pair_is_merged_in():
+    from benchmarks.sass_hazards import stale_byte_reads
+
+    assert stale_byte_reads(STALE_SASS) == [(0x2E0, 0x3E0, "R10")]
+    assert stale_byte_reads(FRESH_SASS) == []
+    # A write of the register between the shift and the merge: the merge fills a new value.
+    rewritten = STALE_SASS.replace(
+        "/*0380*/", "/*0370*/                   MOV R10, R21 ;\n        /*0380*/"
+    )
+    assert stale_byte_reads(rewritten) == []
+    # A branch ends the straight line the scan follows.
+    branched = STALE_SASS.replace("/*03b0*/", "/*03a0*/   @!P0 BRA 0x310 ;\n        /*03b0*/")
+    assert stale_byte_reads(branched) == []
