@@ -36,6 +36,7 @@ from fp8train.linear import Float8Linear
 from fp8train.matmul import float8_matmul
 from fp8train.numerics import compute_error
 from fp8train.tensor import Float8Tensor
+from fp8train.toolchain import ToolchainWarning, toolchain_problem
 
 __version__ = "0.1.0"
 
@@ -69,4 +70,7 @@ __all__ = [
     # numerics
     "compute_error",
     "stats",
+    # the compiler Triton uses
+    "toolchain_problem",
+    "ToolchainWarning",
 ]

@@ -10,6 +10,7 @@ from torch import nn
 from fp8train.config import Float8LinearConfig, config_or_default
 from fp8train.distributed.fsdp import wrap_weight_for_fsdp
 from fp8train.linear import Float8Linear
+from fp8train.toolchain import warn_once_about_toolchain
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -28,12 +29,15 @@ def convert_to_float8_training(
     raises a ValueError that names it and says what to do, and so does a subclass of nn.Linear
     with a forward of its own (swapping it would drop that forward). nn.MultiheadAttention
     never calls its `out_proj` as a module: it stays in high precision, with a warning.
+    On a GPU whose kernels Triton would compile with a ptxas known to miscompile fp8train's
+    casts, the first call warns (fp8train.toolchain).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"convert_to_float8_training takes an nn.Module, got a {type(module).__name__}"
         )
     config = config_or_default(config)
+    warn_once_about_toolchain()
 
     def wanted(linear: nn.Linear, fqn: str) -> bool:
         return module_filter_fn is None or module_filter_fn(linear, fqn)

@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from fp8train import (
+    Float8Linear,
+    Float8LinearConfig,
+    ToolchainWarning,
+    convert_to_float8_training,
+)
 
 
 class Block(nn.Module):
@@ -147,6 +152,8 @@ def test_multihead_attention_stays_high_precision_with_a_warning():
     other = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        # (A GPU machine's compiler warning, fp8train.toolchain, is not this test's subject.)
+        warnings.simplefilter("ignore", ToolchainWarning)
         convert_to_float8_training(other, module_filter_fn=lambda m, fqn: "self_attn" not in fqn)
 
 

@@ -1,0 +1,130 @@
+"""The compiler fp8train's float8 kernels go through on CUDA, checked for a known miscompile.
+
+Triton assembles its kernels with ptxas, by default the copy it ships. For Hopper (sm_90),
+ptxas 12.8 and 12.9 (what Triton 3.6, torch 2.11's, ships) can miscompile a kernel that stores
+a float8 value both row-major and column-major: a shift extracting the second byte of a
+converted pair reads its register before the pair is written there, so the column-major copy
+holds stale bytes (triton-lang/triton#11111). fp8train's casts write both layouts of
+grad_output, and of weights and inputs, from one kernel. On an H100, a compiled LLaMA-style
+model with inductor's coordinate-descent tuning went NaN from its second step with Triton's
+ptxas and trained normally with CUDA 13.0's, the kernels' bytes likewise
+(benchmarks/results/ptxas_hazard_h100_2026-12-06.md).
+
+`toolchain_problem()` says whether this process is exposed, and what to do;
+convert_to_float8_training warns with it once per process (a `ToolchainWarning`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import warnings
+
+import torch
+
+FIXED_PTXAS = (13, 0)
+"""The first ptxas release seen to compile the kernels right for sm_90 (CUDA 13.0, H100)."""
+
+AFFECTED_CAPABILITIES = frozenset({(9, 0)})
+"""Compute capabilities whose code Triton assembles with its Hopper ptxas (12.x)."""
+
+
+class ToolchainWarning(UserWarning):
+    """Triton would compile fp8train's kernels with a compiler that miscompiles them."""
+
+
+def _version(text: str) -> tuple[int, int] | None:
+    found = re.search(r"release (\d+)\.(\d+)", text)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _ptxas_version(path: str) -> tuple[int, int] | None:
+    try:
+        output = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return _version(output)
+
+
+def _triton_ptxas() -> str | None:
+    """The ptxas Triton assembles sm_90 code with (TRITON_PTXAS_PATH, else its own)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return None
+    try:
+        return knobs.nvidia.ptxas.path
+    except (AttributeError, RuntimeError, OSError):
+        return None
+
+
+def _newer_ptxas() -> str | None:
+    """A ptxas of FIXED_PTXAS or later on this machine (PATH, CUDA_HOME, /usr/local/cuda)."""
+    candidates = [shutil.which("ptxas")]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(os.path.join(home, "bin", "ptxas"))
+    for path in dict.fromkeys(c for c in candidates if c and os.path.isfile(c)):
+        version = _ptxas_version(path)
+        if version is not None and version >= FIXED_PTXAS:
+            return path
+    return None
+
+
+def describe_problem(
+    capability: tuple[int, int], ptxas: str, version: tuple[int, int], newer: str | None
+) -> str | None:
+    """The warning for a GPU of `capability` whose kernels Triton assembles with `ptxas` of
+    `version`, `newer` a fixed ptxas found on the machine; None where nothing is wrong."""
+    if capability not in AFFECTED_CAPABILITIES or version >= FIXED_PTXAS:
+        return None
+    fix = (
+        f"set TRITON_PTXAS_PATH={newer} (found here) before Python starts"
+        if newer
+        else "install the CUDA 13.0 toolkit or later and point TRITON_PTXAS_PATH at its "
+        "bin/ptxas before Python starts (without one, Float8LinearConfig("
+        "compiled_transpose_kernels=True) leaves each of inductor's kernels one layout, which "
+        "avoids the pattern but is not checked against it on a GPU)"
+    )
+    return (
+        f"Triton assembles this sm_{capability[0]}{capability[1]} GPU's kernels with ptxas "
+        f"{version[0]}.{version[1]} ({ptxas}), which can write stale bytes into the "
+        "column-major copy of a float8 tensor that the same kernel stores row-major "
+        "(triton-lang/triton#11111). fp8train's casts store both layouts from one kernel, and "
+        "on an H100 a compiled model went NaN with it (more often with inductor's "
+        f"coordinate_descent_tuning): {fix}. The ptxas of CUDA 13.0 compiled the same kernels "
+        "right. Silence this with warnings.filterwarnings('ignore', "
+        "category=fp8train.ToolchainWarning)."
+    )
+
+
+def toolchain_problem() -> str | None:
+    """What is wrong with the compiler Triton would use for this machine's GPUs, and the fix;
+    None without CUDA, without Triton, or where nothing known is wrong."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return None
+    capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    affected = sorted(capabilities & AFFECTED_CAPABILITIES)
+    if not affected:
+        return None
+    ptxas = _triton_ptxas()
+    version = _ptxas_version(ptxas) if ptxas else None
+    if version is None:
+        return None
+    return describe_problem(affected[0], ptxas, version, _newer_ptxas())
+
+
+@functools.cache
+def warn_once_about_toolchain() -> None:
+    """Warn (ToolchainWarning) once per process if toolchain_problem() finds one."""
+    problem = toolchain_problem()
+    if problem is not None:
+        warnings.warn(problem, ToolchainWarning, stacklevel=3)

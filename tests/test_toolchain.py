@@ -1,0 +1,69 @@
+"""The check of the compiler Triton assembles fp8train's kernels with (fp8train.toolchain)."""
+
+import warnings
+
+import pytest
+from torch import nn
+
+import fp8train.toolchain as toolchain
+from fp8train import ToolchainWarning, convert_to_float8_training, toolchain_problem
+
+PTXAS_12_8 = """ptxas: NVIDIA (R) Ptx optimizing assembler
+Copyright (c) 2005-2025 NVIDIA Corporation
+Cuda compilation tools, release 12.8, V12.8.93
+Build cuda_12.8.r12.8/compiler.35583870_0
+"""
+
+
+def test_ptxas_version_is_read_from_its_banner():
+    assert toolchain._version(PTXAS_12_8) == (12, 8)
+    assert toolchain._version("Cuda compilation tools, release 13.0, V13.0.88") == (13, 0)
+    assert toolchain._version("not a ptxas") is None
+
+
+def test_hopper_with_ptxas_12_is_named_with_the_fix():
+    message = toolchain.describe_problem((9, 0), "/triton/bin/ptxas", (12, 8), None)
+    assert "sm_90" in message and "ptxas 12.8 (/triton/bin/ptxas)" in message
+    assert "triton-lang/triton#11111" in message
+    assert "CUDA 13.0 toolkit or later" in message and "TRITON_PTXAS_PATH" in message
+    assert "compiled_transpose_kernels=True" in message
+    found = toolchain.describe_problem((9, 0), "/triton/bin/ptxas", (12, 9), "/cuda/bin/ptxas")
+    assert "set TRITON_PTXAS_PATH=/cuda/bin/ptxas (found here)" in found
+
+
+@pytest.mark.parametrize(
+    ("capability", "version"),
+    [((9, 0), (13, 0)), ((9, 0), (13, 3)), ((8, 9), (12, 8)), ((10, 0), (12, 8))],
+)
+def test_a_fixed_ptxas_or_another_gpu_is_no_problem(capability, version):
+    assert toolchain.describe_problem(capability, "ptxas", version, None) is None
+
+
+def test_no_problem_without_a_cuda_gpu():
+    if toolchain.torch.cuda.is_available():
+        pytest.skip("checks the CPU answer; a CUDA machine answers from its GPUs")
+    assert toolchain_problem() is None
+
+
+def test_convert_warns_once_per_process(monkeypatch):
+    monkeypatch.setattr(toolchain, "toolchain_problem", lambda: "ptxas 12.8 miscompiles")
+    toolchain.warn_once_about_toolchain.cache_clear()
+    try:
+        with pytest.warns(ToolchainWarning, match="ptxas 12.8 miscompiles") as caught:
+            convert_to_float8_training(nn.Sequential(nn.Linear(16, 16)))
+            convert_to_float8_training(nn.Sequential(nn.Linear(16, 16)))
+        assert len([w for w in caught if w.category is ToolchainWarning]) == 1
+        assert caught[0].filename == __file__  # points at the caller's line
+    finally:
+        toolchain.warn_once_about_toolchain.cache_clear()
+
+
+def test_convert_is_silent_where_the_toolchain_is_fine(monkeypatch):
+    monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
+    toolchain.warn_once_about_toolchain.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            convert_to_float8_training(nn.Sequential(nn.Linear(16, 16)))
+    finally:
+        toolchain.warn_once_about_toolchain.cache_clear()
