@@ -14,6 +14,7 @@ import torch
 
 import fp8train
 from fp8train import CastConfig, Float8LinearConfig
+from fp8train.toolchain import ptxas_in_use
 
 
 def environment() -> dict[str, str]:
@@ -25,7 +26,7 @@ def environment() -> dict[str, str]:
         )
     else:
         device = f"CPU ({platform.processor() or platform.machine()})"
-    return {
+    facts = {
         "date": datetime.date.today().isoformat(),
         "device": device,
         "torch": torch.__version__,
@@ -34,6 +35,10 @@ def environment() -> dict[str, str]:
         "python": platform.python_version(),
         "command": command_line(),
     }
+    if torch.cuda.is_available():
+        # The compiler of the Triton kernels: 12.x miscompiles some on Hopper (fp8train.toolchain).
+        facts["ptxas"] = ptxas_in_use() or "none found"
+    return facts
 
 
 def command_line(argv: Sequence[str] | None = None, root: Path | None = None) -> str:

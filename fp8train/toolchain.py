@@ -66,6 +66,26 @@ def _triton_ptxas() -> str | None:
         return None
 
 
+def ptxas_in_use() -> str | None:
+    """The ptxas Triton assembles sm_90 code with, for a result's header: its release and
+    "Triton's own" or its path (TRITON_PTXAS_PATH); None without Triton."""
+    path = _triton_ptxas()
+    version = _ptxas_version(path) if path else None
+    if version is None:
+        return None
+    where = "Triton's own" if os.path.dirname(path) == _triton_bin() else path
+    return f"{version[0]}.{version[1]} ({where})"
+
+
+def _triton_bin() -> str | None:
+    """The folder of the tools Triton ships for NVIDIA GPUs."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
 def _newer_ptxas() -> str | None:
     """A ptxas of FIXED_PTXAS or later on this machine (PATH, CUDA_HOME, /usr/local/cuda)."""
     candidates = [shutil.which("ptxas")]

@@ -67,3 +67,16 @@ def test_convert_is_silent_where_the_toolchain_is_fine(monkeypatch):
             convert_to_float8_training(nn.Sequential(nn.Linear(16, 16)))
     finally:
         toolchain.warn_once_about_toolchain.cache_clear()
+
+
+def test_the_ptxas_in_use_is_named_for_result_headers(monkeypatch):
+    own = "/site/triton/backends/nvidia/bin"
+    monkeypatch.setattr(toolchain, "_triton_bin", lambda: own)
+    monkeypatch.setattr(toolchain, "_ptxas_version", lambda path: (12, 8))
+    monkeypatch.setattr(toolchain, "_triton_ptxas", lambda: f"{own}/ptxas")
+    assert toolchain.ptxas_in_use() == "12.8 (Triton's own)"
+    monkeypatch.setattr(toolchain, "_ptxas_version", lambda path: (13, 0))
+    monkeypatch.setattr(toolchain, "_triton_ptxas", lambda: "/usr/local/cuda/bin/ptxas")
+    assert toolchain.ptxas_in_use() == "13.0 (/usr/local/cuda/bin/ptxas)"
+    monkeypatch.setattr(toolchain, "_triton_ptxas", lambda: None)
+    assert toolchain.ptxas_in_use() is None
