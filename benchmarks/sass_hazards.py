@@ -21,12 +21,14 @@ The scan compiles, for sm_90: bench_swiglu_backward's kernels (the control: the 
 their column-major bytes wrong), fp8train's eager cast kernel writing both layouts, and the
 Triton kernels inductor generates for the backward of a compiled LLaMA-style block per
 config (each over a set of block sizes, as autotuning would try them), assembles each with
-the chosen ptxas, and counts in the SASS the signature above: a `SHF.R.U32.HI Rd, RZ, 0x8,
-Rs` (Rd not Rs) followed, with no other write of Rs between, by `PRMT Rs, Rx, 0x7610, Rs`.
-A heuristic for the one form of the miscompile read here: with Triton's ptxas 12.8 it flags
-6 of the control's 11 configurations, and on the H100 all 11 wrote wrong bytes. A flag is
-evidence; no flag proves nothing, and only a GPU run of the bytes (tests/test_inductor.py's
-both-layouts test) checks a kernel.
+the chosen ptxas, and counts in the SASS the signature above, in two forms: a
+`SHF.R.U32.HI Rd, RZ, 0x8, Rs`, or a copy of the low half `LOP3.LUT Rd, Rs, 0xffff, RZ, ...`
+that is shifted by 8 later, reading Rs (not written last by a float8 conversion, F2FP) before
+the next write of Rs, a `PRMT Rs, Rx, 0x7610, Rs`. A heuristic for what was read here: with
+Triton's ptxas 12.8 it flags 10 of the control's 11 configurations (on the H100 all 11 wrote
+wrong bytes), and with CUDA 13.0's ptxas none of any kernel (on the H100 none wrote wrong
+bytes). A flag is evidence; no flag proves nothing, and only a GPU run of the bytes
+(tests/test_inductor.py's both-layouts test) checks a kernel.
 """
 
 from __future__ import annotations
@@ -70,24 +72,72 @@ def _instructions(sass: str) -> list[tuple[int, str, list[str]]]:
     return out
 
 
+def _next_write(instructions: list, start: int, register: str) -> int | None:
+    """The index of the first instruction from `start` on that writes `register`, before any
+    branch; None if none."""
+    for index in range(start, len(instructions)):
+        _, opcode, operands = instructions[index]
+        if opcode.startswith(("BRA", "EXIT", "RET")):
+            return None
+        if operands and operands[0] == register and not opcode.startswith("ST"):
+            return index
+    return None
+
+
+def _shifted_by_8(instructions: list, start: int, register: str) -> bool:
+    """Whether `register` is shifted right by 8 bits from `start` on, before it is rewritten."""
+    for _, opcode, operands in instructions[start:]:
+        if opcode.startswith(("BRA", "EXIT", "RET")):
+            return False
+        if opcode.startswith("SHF.R.U32.HI") and operands[1:] == ["RZ", "0x8", register]:
+            return True
+        if operands and operands[0] == register and not opcode.startswith("ST"):
+            return False
+    return False
+
+
+def _holds_a_pair(instructions: list, end: int, register: str) -> bool:
+    """Whether the last write of `register` before `end`, in the same straight line, is a
+    float8 conversion (F2FP): then a read of it at `end` reads that pair, as it should."""
+    for _, opcode, operands in reversed(instructions[:end]):
+        if opcode.startswith(("BRA", "EXIT", "RET")):
+            return False
+        if operands and operands[0] == register and not opcode.startswith("ST"):
+            return opcode.startswith("F2FP")
+    return False
+
+
 def stale_byte_reads(sass: str) -> list[tuple[int, int, str]]:
-    """(address of the shift, address of the merge, register) for each shift by 8 bits that
-    reads a register before a PRMT merges its low half in (the signature above)."""
+    """(address of the read, address of the merge, register) for each second-byte extraction
+    that reads a register before a PRMT merges its low half in (the signature above): a shift
+    by 8 of the register, or of a copy of its low half (`LOP3.LUT Rd, Rs, 0xffff, ...`)
+    shifted later."""
     instructions = _instructions(sass)
     found = []
     for index, (address, opcode, operands) in enumerate(instructions):
-        if not (opcode.startswith("SHF.R.U32.HI") and len(operands) == 4):
+        if len(operands) < 4 or not operands[0].startswith("R"):
             continue
-        target, _, shift, source = operands
-        if shift != "0x8" or not source.startswith("R") or target == source:
+        target = operands[0]
+        if opcode.startswith("SHF.R.U32.HI") and operands[1:3] == ["RZ", "0x8"]:
+            source = operands[3]
+        elif opcode.startswith("LOP3.LUT") and operands[2:4] == ["0xffff", "RZ"]:
+            source = operands[1]
+            if not _shifted_by_8(instructions, index + 1, target):
+                continue
+        else:
             continue
-        for later, later_opcode, later_operands in instructions[index + 1 :]:
-            if later_opcode.startswith(("BRA", "EXIT", "RET")):
-                break
-            if later_operands and later_operands[0] == source and not later_opcode.startswith("ST"):
-                if later_opcode == "PRMT" and later_operands[2:] == ["0x7610", source]:
-                    found.append((address, later, source))
-                break
+        if (
+            not source.startswith("R")
+            or source == target
+            or _holds_a_pair(instructions, index, source)
+        ):
+            continue
+        write = _next_write(instructions, index + 1, source)
+        if write is None:
+            continue
+        merge, merge_opcode, merge_operands = instructions[write]
+        if merge_opcode == "PRMT" and merge_operands[2:] == ["0x7610", source]:
+            found.append((address, merge, source))
     return found
 
 

@@ -534,3 +534,31 @@ def test_sass_scan_flags_a_shift_that_reads_a_register_before_its_pair_is_merged
     # A branch ends the straight line the scan follows.
     branched = STALE_SASS.replace("/*03b0*/", "/*03a0*/   @!P0 BRA 0x310 ;\n        /*03b0*/")
     assert stale_byte_reads(branched) == []
+
+
+def test_sass_scan_flags_a_stale_copy_of_the_low_half_shifted_later():
+    """The second form (ptxas 12.8, rows kernel at 1024 x 8 warps): the low half is copied
+    before the new pair is merged in, and the copy is shifted."""
+    from benchmarks.sass_hazards import stale_byte_reads
+
+    sass = """
+        /*0ee0*/              @!P0 STG.E desc[UR8][R4.64], R53 ;
+        /*0f10*/                   LOP3.LUT R6, R29, 0xffff, RZ, 0xc0, !PT ;
+        /*0f30*/                   LOP3.LUT R7, R56, 0xffff, RZ, 0xc0, !PT ;
+        /*0f40*/                   PRMT R29, R53.reuse, 0x7610, R29 ;
+        /*0f50*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0f60*/                   SHF.R.U32.HI R51, RZ, 0x8, R6 ;
+        /*0f70*/                   PRMT R56, R53, 0x7632, R56 ;
+        /*0f80*/                   SHF.R.U32.HI R7, RZ, 0x8, R7 ;
+        /*0f90*/                   STS.U8 [R16+UR5], R29 ;
+        /*0fa0*/                   STS.U8 [R26+UR5+0x100], R51 ;
+"""
+    assert stale_byte_reads(sass) == [(0xF10, 0xF40, "R29")]
+    # A copy that is never shifted is no byte extraction.
+    assert stale_byte_reads(sass.replace("SHF.R.U32.HI R51, RZ, 0x8, R6", "MOV R51, R6")) == []
+    # A copy of a pair just converted into the register reads that pair (CUDA 13.0's code):
+    # the register may then take the next one.
+    fresh = sass.replace(
+        "/*0f10*/", "/*0f00*/   F2FP.SATFINITE.E5M2.F32.PACK_AB_MERGE_C R29, R1, R2, RZ ;\n/*0f10*/"
+    )
+    assert stale_byte_reads(fresh) == []
