@@ -30,6 +30,7 @@ from torch import nn
 from fp8train.cast import eager_kernel
 from fp8train.config import CastConfig, Float8LinearConfig, Gemm, Role, ScalingType
 from fp8train.scaling import EPS, amax_to_scale, raise_amax, round_down_to_power_of_2
+from fp8train.toolchain import toolchain_problem
 
 
 class DelayedState(NamedTuple):
@@ -327,9 +328,28 @@ class _PendingCheck:
             when = "this step" if self.event is None else "the previous step"
             warnings.warn(
                 f"non-finite amax in {', '.join(bad)} in {when}: not written into the history; "
-                "those casts kept their previous scale (that step's loss is non-finite)",
+                f"those casts kept their previous scale (that step's loss is non-finite)"
+                f"{_weights_hint(bad)}",
                 stacklevel=3,
             )
+
+
+def _weights_hint(bad: list[str]) -> str:
+    """What a non-finite weight amax says: the weight itself is non-finite, so a non-finite
+    gradient reached the optimizer; and, where it applies, the compiler fp8train.toolchain
+    knows to miscompile float8 casts."""
+    if not any(entry.endswith(f":{Role.WEIGHT.value}") for entry in bad):
+        return ""
+    hint = (
+        ". A weight's amax is non-finite only if the weight is: a non-finite gradient reached "
+        "the optimizer (check the loss, the learning rate, gradient clipping)"
+    )
+    if toolchain_problem() is not None:
+        hint += (
+            ", or, on this GPU, Triton's ptxas miscompiled a float8 cast: see "
+            "fp8train.toolchain_problem()"
+        )
+    return hint
 
 
 def _sync_group(entries, scale_fn: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001

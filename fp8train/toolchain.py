@@ -126,9 +126,11 @@ def describe_problem(
     )
 
 
+@functools.cache
 def toolchain_problem() -> str | None:
     """What is wrong with the compiler Triton would use for this machine's GPUs, and the fix;
-    None without CUDA, without Triton, or where nothing known is wrong."""
+    None without CUDA, without Triton, or where nothing known is wrong. Found once per
+    process: Triton reads TRITON_PTXAS_PATH as the process starts its compile workers."""
     if not torch.cuda.is_available() or torch.version.hip is not None:
         return None
     capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}

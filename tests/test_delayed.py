@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import fp8train.delayed as delayed_module
 from fp8train import (
     CastConfig,
     DelayedScalingConfig,
@@ -114,6 +115,38 @@ def test_most_recent_scale_fn_and_the_scale_reaching_the_cast():
     assert (
         layer.fp8_scale_grad_output == torch.finfo(E5M2).max / layer.fp8_amax_history_grad_output[0]
     )
+
+
+@pytest.mark.parametrize("miscompiling_toolchain", [False, True])
+def test_a_non_finite_weight_amax_is_explained(miscompiling_toolchain, monkeypatch):
+    """A weight's amax is non-finite only if the weight is: the warning says a non-finite
+    gradient reached the optimizer and, on a GPU whose ptxas miscompiles float8 casts, points
+    at fp8train.toolchain_problem()."""
+    problem = "ptxas 12.8 miscompiles" if miscompiling_toolchain else None
+    monkeypatch.setattr(delayed_module, "toolchain_problem", lambda: problem)
+    layer = Float8Linear(K, N, bias=False, config=delayed_config())
+    layer(torch.randn(M, K)).sum().backward()
+    sync_float8_amax_and_scale_history(layer)
+    with torch.no_grad():
+        layer.weight[0, 0] = float("nan")  # as an optimizer step with a NaN gradient leaves it
+    layer(torch.randn(M, K)).sum().backward()
+    with pytest.warns(UserWarning, match="<root>:weight") as caught:
+        sync_float8_amax_and_scale_history(layer)
+    message = str(caught[0].message)
+    assert "a non-finite gradient reached the optimizer" in message
+    assert ("fp8train.toolchain_problem()" in message) is miscompiling_toolchain
+
+
+def test_an_input_amax_alone_gets_no_weight_hint():
+    layer = Float8Linear(K, N, bias=False, config=delayed_config())
+    layer(torch.randn(M, K)).sum().backward()
+    sync_float8_amax_and_scale_history(layer)
+    x = torch.randn(M, K)
+    x[1, 1] = float("inf")
+    layer(x).sum().backward()
+    with pytest.warns(UserWarning, match="non-finite amax in <root>:input") as caught:
+        sync_float8_amax_and_scale_history(layer)
+    assert "optimizer" not in str(caught[0].message)
 
 
 def test_non_finite_amax_never_enters_the_history():
