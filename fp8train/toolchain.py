@@ -118,9 +118,10 @@ def describe_problem(
         f"Triton assembles this sm_{capability[0]}{capability[1]} GPU's kernels with ptxas "
         f"{version[0]}.{version[1]} ({ptxas}), which can write stale bytes into the "
         "column-major copy of a float8 tensor that the same kernel stores row-major "
-        "(triton-lang/triton#11111). fp8train's casts store both layouts from one kernel, and "
-        "on an H100 a compiled model went NaN with it (more often with inductor's "
-        f"coordinate_descent_tuning): {fix}. The ptxas of CUDA 13.0 compiled the same kernels "
+        "(triton-lang/triton#11111). fp8train's casts store both layouts from one kernel; on "
+        "an H100 a compiled model with inductor's coordinate_descent_tuning went NaN with it, "
+        "and its SASS shows the faulty pattern at inductor's common block sizes too. "
+        f"Fix: {fix}. The ptxas of CUDA 13.0 compiled the same kernels "
         "right. Silence this with warnings.filterwarnings('ignore', "
         "category=fp8train.ToolchainWarning)."
     )
