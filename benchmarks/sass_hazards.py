@@ -18,7 +18,8 @@ H100 that was 25% of the column-major bytes of a hand-written SwiGLU-backward ca
 See benchmarks/results/ptxas_hazard_h100_2026-12-06.md.
 
 The scan compiles, for sm_90: bench_swiglu_backward's kernels (the control: the GPU showed
-their column-major bytes wrong), fp8train's eager cast kernel writing both layouts, and the
+their column-major bytes wrong), fp8train's eager cast kernel writing both layouts (from a
+16-bit input, and from fp32, a second control), and the
 Triton kernels inductor generates for the backward of a compiled LLaMA-style block per
 config (each over a set of block sizes, as autotuning would try them), assembles each with
 the chosen ptxas, and counts in the SASS the signature above, in two forms: a
@@ -172,17 +173,19 @@ def _ptx(fn, signature: dict, constants: dict, attrs: dict, warps: int) -> str: 
 
 
 def eager_cast_kernels() -> list[tuple[str, str, str]]:
-    """(kernel, config, PTX) of fp8train's cast kernel where it writes both layouts in one
-    launch (a 16-bit input, the scale from the amax: fp8train.kernels.cast.cast_2d)."""
+    """(kernel, config, PTX) of fp8train's cast kernel writing both layouts in one launch: as
+    cast_2d launches it (a 16-bit input, the scale from the amax), and from an fp32 input,
+    which cast_2d splits into two launches because on an H200 its column-major copy came out
+    wrong (a second control)."""
     from fp8train.kernels.cast import TILE, _cast_kernel
 
     out = []
-    for fp8, record, tile in itertools.product(
-        ["fp8e4nv", "fp8e5"], [False, True], [TILE, (64, 64, 4), (64, 128, 8)]
+    for hp, fp8, record, tile in itertools.product(
+        ["bf16", "fp32"], ["fp8e4nv", "fp8e5"], [False, True], [TILE, (64, 64, 4), (64, 128, 8)]
     ):
         pointers = ["hp_ptr", "scale_ptr", "row_ptr", "col_ptr", "scale_out_ptr",
                     "inverse_out_ptr", "amax_out_ptr"]  # fmt: skip
-        types = ["*bf16", "*fp32", f"*{fp8}", f"*{fp8}", "*fp32", "*fp32", "*fp32"]
+        types = [f"*{hp}", "*fp32", f"*{fp8}", f"*{fp8}", "*fp32", "*fp32", "*fp32"]
         signature = dict(zip(pointers, types, strict=True))
         signature |= dict.fromkeys(["M", "N", "stride_hm", "amax_count"], "i32")
         constants = {
@@ -197,7 +200,10 @@ def eager_cast_kernels() -> list[tuple[str, str, str]]:
         attrs = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in aligned}
         ptx = _ptx(_cast_kernel, signature, constants, attrs, tile[2])
         config = f"{fp8}, {tile[0]}x{tile[1]}, warps={tile[2]}" + (", amax" if record else "")
-        out.append(("fp8train cast kernel", config, ptx))
+        kernel = "fp8train cast kernel" + (
+            "" if hp == "bf16" else ", fp32 input (cast_2d launches it twice instead)"
+        )
+        out.append((kernel, config, ptx))
     return out
 
 

@@ -154,8 +154,10 @@ def cast_2d(
     if row_major and column_major and (hp.dtype == torch.float32 or not scale_from_amax):
         # Both stores from one tile are exact on the H200 (torch 2.11's Triton) only for a
         # 16-bit input with the scale computed in the kernel. From fp32 the column-major copy
-        # came out wrong; with a given scale (delayed, static, rowwise) a bf16 grad_output
-        # came out with NaNs. Everything else: two launches, one store each.
+        # came out wrong: Triton's ptxas 12.x miscompiles that kernel's byte extraction for
+        # the column-major store (fp8train.toolchain; benchmarks/sass_hazards.py flags it in
+        # every tile). With a given scale (delayed, static, rowwise) a bf16 grad_output came
+        # out with NaNs. Everything else: two launches, one store each.
         scale, row, _ = cast_2d(
             hp, scale, float8_dtype, scale_from_amax=scale_from_amax,
             round_to_power_of_2=round_to_power_of_2, record_amax=record_amax,
