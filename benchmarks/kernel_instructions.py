@@ -117,17 +117,10 @@ def _numel(source: str) -> int:
     return math.prod(int(n) for n in sizes) if sizes else 0
 
 
-def ptx_instructions(source: str) -> tuple[int, float] | None:
-    """Static PTX instructions of `source` compiled for sm_90 with BLOCKS' sizes, and that
-    count per element a thread handles; None for kernels not over elements (scalars)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    constants, warps = BLOCKS[_kind(source)]
+def load_generated_kernel(source: str) -> tuple[object, dict]:
+    """The @triton.jit function of an inductor-generated kernel's `source`, loaded without
+    inductor's launcher (which needs a GPU), and its signature."""
     signature = eval(re.search(r"'signature': (\{[^}]*\})", source).group(1))  # noqa: S307
-    if any(name not in signature for name in constants):
-        return None  # a persistent reduction: its block is the whole row, no R0_BLOCK
     body = source[source.index("@triton.jit") :].replace("Placeholder.KERNEL_NAME", "kernel")
     header = source[: source.index("@triton_heuristics")].replace(
         "triton_helpers.set_driver_to_cpu()", ""
@@ -138,11 +131,25 @@ def ptx_instructions(source: str) -> tuple[int, float] | None:
         spec = importlib.util.spec_from_file_location("generated_kernel", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        compiled = triton.compile(
-            ASTSource(module.kernel, signature, constexprs=constants),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": warps},
-        )
+    return module.kernel, signature
+
+
+def ptx_instructions(source: str) -> tuple[int, float] | None:
+    """Static PTX instructions of `source` compiled for sm_90 with BLOCKS' sizes, and that
+    count per element a thread handles; None for kernels not over elements (scalars)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants, warps = BLOCKS[_kind(source)]
+    kernel, signature = load_generated_kernel(source)
+    if any(name not in signature for name in constants):
+        return None  # a persistent reduction: its block is the whole row, no R0_BLOCK
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps},
+    )
     lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
     count = sum(1 for line in lines if line.endswith(";") and not line.startswith((".", "//")))
     return count, count / (math.prod(constants.values()) / (warps * 32))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import itertools
 import re
 import subprocess
@@ -44,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.utils import markdown_table, print_environment
+from fp8train.toolchain import _triton_bin
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
 
@@ -143,9 +143,7 @@ def stale_byte_reads(sass: str) -> list[tuple[int, int, str]]:
 
 
 def _triton_tools() -> tuple[str, str]:
-    import triton
-
-    folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    folder = Path(_triton_bin())
     return str(folder / "ptxas"), str(folder / "cuobjdump")
 
 
@@ -237,11 +235,10 @@ def swiglu_backward_kernels() -> list[tuple[str, str, str]]:
 
 
 def _kind(source: str) -> str:
-    if "triton_heuristics.pointwise" in source:
-        return "tiled pointwise" if "YBLOCK" in source else "pointwise"
-    if "persistent_reduction" in source:
-        return "persistent reduction"
-    return "reduction"
+    """kernel_instructions' kind of a generated kernel, persistent reductions told apart."""
+    from benchmarks.kernel_instructions import _kind as kind
+
+    return "persistent reduction" if "persistent_reduction" in source else kind(source)
 
 
 def generated_kernels(name: str, transpose: bool) -> list[tuple[str, str, str]]:
@@ -251,22 +248,17 @@ def generated_kernels(name: str, transpose: bool) -> list[tuple[str, str, str]]:
     opaque to inductor as on a GPU."""
     import fp8train.cast
     from benchmarks import saved_by_block
-    from benchmarks.kernel_instructions import generated_backward_kernels
+    from benchmarks.kernel_instructions import generated_backward_kernels, load_generated_kernel
     from fp8train.inductor import SatfinitePass
     from fp8train.models import ModelArgs
 
-    configs = dict(saved_by_block.CONFIGS)
+    config = saved_by_block.CONFIGS[name]
     if transpose:
         fp8train.cast._transpose_op = saved_by_block._opaque_transpose_op
-        configs[name] = dataclasses.replace(configs[name], compiled_transpose_kernels=True)
+        config = dataclasses.replace(config, compiled_transpose_kernels=True)
     args = ModelArgs(dim=256, n_heads=2, ffn_dim=896, max_seq_len=512)
     base, inputs = saved_by_block.block_and_inputs(args, 512)
-    saved = saved_by_block.CONFIGS
-    saved_by_block.CONFIGS = configs
-    try:
-        block = saved_by_block.configured(base, name)
-    finally:
-        saved_by_block.CONFIGS = saved
+    block = saved_by_block.configured(base, name, config)
     graph_pass = SatfinitePass(any_device=True, integer_amax=True, satfinite=True)
     steps = 2 if "delayed" in name else 1
     sources = generated_backward_kernels(block, steps, *inputs, graph_pass=graph_pass)
@@ -274,28 +266,18 @@ def generated_kernels(name: str, transpose: bool) -> list[tuple[str, str, str]]:
     for number, source in enumerate(dict.fromkeys(sources)):
         if "fp8" not in source:
             continue
-        signature = eval(re.search(r"'signature': (\{[^}]*\})", source).group(1))  # noqa: S307
+        kernel, signature = load_generated_kernel(source)
         found = re.search(r"'configs': \[(\{.*?\})\]", source)
         attrs = eval(found.group(1)) if found else {}  # noqa: S307
-        body = source[source.index("@triton.jit") :].replace("Placeholder.KERNEL_NAME", "kernel")
-        header = source[: source.index("@triton_heuristics")].replace(
-            "triton_helpers.set_driver_to_cpu()", ""
-        )
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / f"generated_{number}.py"
-            path.write_text(header + body)
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            kind = _kind(source)
-            stores = len(re.findall(r"tl\.store\(", source))
-            for sizes in BLOCK_SIZES[kind]:
-                constants = {k: v for k, v in sizes.items() if k != "warps"}
-                if any(k not in signature for k in constants):
-                    continue
-                ptx = _ptx(module.kernel, signature, constants, attrs, sizes["warps"])
-                blocks = ", ".join(f"{k}={v}" for k, v in sizes.items())
-                out.append((f"{name}: kernel {number} ({kind}, {stores} stores)", blocks, ptx))
+        kind = _kind(source)
+        stores = len(re.findall(r"tl\.store\(", source))
+        for sizes in BLOCK_SIZES[kind]:
+            constants = {k: v for k, v in sizes.items() if k != "warps"}
+            if any(k not in signature for k in constants):
+                continue
+            ptx = _ptx(kernel, signature, constants, attrs, sizes["warps"])
+            blocks = ", ".join(f"{k}={v}" for k, v in sizes.items())
+            out.append((f"{name}: kernel {number} ({kind}, {stores} stores)", blocks, ptx))
     return out
 
 

@@ -184,11 +184,15 @@ def block_and_inputs(
     return base, (x, cos, sin)
 
 
-def configured(base: TransformerBlock, name: str) -> TransformerBlock:
-    """A copy of `base` converted as CONFIGS[name] says."""
+def configured(
+    base: TransformerBlock, name: str, config: Float8LinearConfig | None = None
+) -> TransformerBlock:
+    """A copy of `base` converted as CONFIGS[name] says (or as `config` says, tied as `name`
+    says)."""
     block = copy.deepcopy(base)
-    if CONFIGS[name] is not None:
-        convert_to_float8_training(block, config=CONFIGS[name])
+    config = config or CONFIGS[name]
+    if config is not None:
+        convert_to_float8_training(block, config=config)
     if name.endswith(" tied"):  # wq/wk/wv and w1/w3 share one delayed input state
         tie_shared_delayed_inputs(block)
     return block

@@ -339,23 +339,25 @@ def _recast(
     return fp8
 
 
+def _operands_of(fqn: str) -> str:
+    return f"Float8Linear '{fqn}'" if fqn else "float8 matmul"
+
+
 def check_operand_dtypes(input: torch.Tensor, weight: torch.Tensor, fqn: str = "") -> None:
     """Raise a TypeError naming the layer if float8 training cannot cast `input` or
     `weight`. `fqn` is read only to raise: torch.compile would otherwise guard on the string,
     and every layer of a block compiled once would compile its own copy."""
     if weight.dtype not in HP_DTYPES:
-        name = f"Float8Linear '{fqn}'" if fqn else "float8 matmul"
         raise TypeError(
-            f"{name}: weight dtype {weight.dtype} is not float32, bfloat16 or float16, which "
-            "float8 training casts from (was the model cast, e.g. with .double(), after "
-            "convert_to_float8_training?): cast it to one of them"
+            f"{_operands_of(fqn)}: weight dtype {weight.dtype} is not float32, bfloat16 or "
+            "float16, which float8 training casts from (was the model cast, e.g. with "
+            ".double(), after convert_to_float8_training?): cast it to one of them"
         )
     if input.dtype not in HP_DTYPES:
-        name = f"Float8Linear '{fqn}'" if fqn else "float8 matmul"
         raise TypeError(
-            f"{name}: input dtype {input.dtype} is not float32, bfloat16 or float16, which "
-            "float8 training casts from: cast the input to the model's dtype, or leave this "
-            "layer out with module_filter_fn"
+            f"{_operands_of(fqn)}: input dtype {input.dtype} is not float32, bfloat16 or "
+            "float16, which float8 training casts from: cast the input to the model's dtype, "
+            "or leave this layer out with module_filter_fn"
         )
 
 
