@@ -562,3 +562,15 @@ def test_sass_scan_flags_a_stale_copy_of_the_low_half_shifted_later():
         "/*0f10*/", "/*0f00*/   F2FP.SATFINITE.E5M2.F32.PACK_AB_MERGE_C R29, R1, R2, RZ ;\n/*0f10*/"
     )
     assert stale_byte_reads(fresh) == []
+
+
+def test_check_layouts_counts_elements_whose_bits_differ():
+    from benchmarks.check_layouts import differing
+
+    a = torch.tensor([1.0, -0.0, float("nan"), 3.0], dtype=torch.bfloat16)
+    b = a.clone()
+    assert differing(a, b) == 0  # NaN equals itself bit for bit
+    b[1] = 0.0  # -0.0 and 0.0 compare equal as numbers, not as bits
+    b[3] = torch.nextafter(b[3:4], torch.tensor([4.0], dtype=torch.bfloat16))[0]
+    assert differing(a, b) == 2
+    assert differing(a.float(), b.float()) == 2
