@@ -89,6 +89,7 @@ CONFIGS = (
     "bf16",  # the baseline: no float8 (in --dtype, bf16 on the GPU)
     "bf16-nudged",  # the baseline from weights nudged by 2**-7: the loss comparison's noise
     "tensorwise",
+    "tensorwise-transpose",  # the default recipe with compiled_transpose_kernels (below)
     "tensorwise-delayed",
     "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
     "tensorwise-delayed-tied",  # wq/wk/wv and w1/w3 share one input state (one cast)
@@ -178,6 +179,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         config = Float8LinearConfig(compiled_cast_kernels=True)
     elif name == "tensorwise-cast-kernels-no-input":
         config = Float8LinearConfig(compiled_cast_kernels=("weight", "grad_output"))
+    elif name == "tensorwise-transpose":
+        config = Float8LinearConfig(compiled_transpose_kernels=True)
     elif name == "tensorwise-keep-hp-input":
         config = Float8LinearConfig(recompute_input_cast=True)
     elif name.startswith("tensorwise-float8-swiglu"):

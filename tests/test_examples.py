@@ -30,6 +30,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
     configs = [
         "bf16",
         "tensorwise",
+        "tensorwise-transpose",
         "tensorwise-delayed",
         "tensorwise-delayed-one-pass",
         "tensorwise-delayed-tied",
@@ -52,6 +53,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
     # So do the transpose kernels, which only compiled code uses.
     transposed = by_name["tensorwise-delayed-one-pass-tied-transpose"]["losses"]
     assert transposed == by_name["tensorwise-delayed-one-pass"]["losses"]
+    assert by_name["tensorwise-transpose"]["losses"] == by_name["tensorwise"]["losses"]
     assert plot.stat().st_size > 0
     assert json.loads((tmp_path / "runs.json").read_text())["runs"][1]["config"] == "tensorwise"
     table = capsys.readouterr().out
