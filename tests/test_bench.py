@@ -574,3 +574,17 @@ def test_check_layouts_counts_elements_whose_bits_differ():
     b[3] = torch.nextafter(b[3:4], torch.tensor([4.0], dtype=torch.bfloat16))[0]
     assert differing(a, b) == 2
     assert differing(a.float(), b.float()) == 2
+
+
+def test_check_layouts_compares_digests_of_another_run():
+    from benchmarks.check_layouts import compare_digests, digest
+
+    a = torch.arange(6, dtype=torch.float32)
+    ours = {"tensorwise/transpose/0/output": digest(a), "tensorwise/transpose/0/w1 grad": "x"}
+    theirs = {
+        "tensorwise/transpose/0/output": digest(a.clone()),
+        "tensorwise/transpose/0/w1 grad": "y",
+    }
+    assert "| tensorwise, transpose | 1 of 2 |" in compare_digests(ours, theirs)
+    assert digest(a) != digest(a.to(torch.bfloat16))
+    assert compare_digests(ours, {}) == "no tensor in common with the other run"
