@@ -90,7 +90,7 @@ def check(name: str, base: torch.nn.Module, inputs: tuple, steps: int, digests: 
     """Rows of the tensors that differ between `name` without and with
     compiled_transpose_kernels (and each step's output); every tensor's digest into
     `digests`, keyed "config/variant/step/tensor"."""
-    config = CONFIGS[name]
+    config = dataclasses.replace(CONFIGS[name], compiled_transpose_kernels=False)
     transposed = dataclasses.replace(config, compiled_transpose_kernels=True)
     delayed = bool(delayed_roles(config))
     runs = []

@@ -32,6 +32,7 @@ from fp8train.kernels import (
 )
 from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
+from fp8train.toolchain import auto_transpose_roles
 
 # The dim each operand is reduced along for rowwise scales: its inner dim in that gemm.
 _INNER_DIM: dict[tuple[Role, Gemm], int] = {
@@ -520,8 +521,14 @@ def cast_for_gemms(
         record_amax=record_amax,
         compiled_kernels=uses_cast_kernels(config, role),
         own_scale=own_scale,
-        transpose_kernel=role in config.compiled_transpose_kernels,
+        transpose_kernel=role in transpose_kernel_roles(config),
     )
+
+
+def transpose_kernel_roles(config: Float8LinearConfig) -> frozenset[Role]:
+    """The roles config.compiled_transpose_kernels names, "auto" as this process decided it."""
+    roles = config.compiled_transpose_kernels
+    return auto_transpose_roles() if roles == "auto" else roles
 
 
 def dynamic_scale(

@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 
@@ -227,14 +228,17 @@ class Float8LinearRecipeName(str, enum.Enum):
     fp32 elsewhere (see the README)."""
 
 
-def _kernel_roles(field: str, value: object, example: str) -> frozenset[Role]:
+def _kernel_roles(field: str, value: object, example: str, auto: bool = False) -> object:
     """A Float8LinearConfig field that takes True, False or roles (compiled_cast_kernels,
-    compiled_transpose_kernels) as the set of roles it names."""
+    compiled_transpose_kernels) as the set of roles it names; with `auto`, "auto" as itself."""
+    if auto and value == "auto":
+        return value
     if isinstance(value, bool):
         return frozenset(Role) if value else frozenset()
     if isinstance(value, (str, Role)) or not isinstance(value, Iterable):
+        choices = '"auto", True, False' if auto else "True, False"
         raise ValueError(
-            f"{field}={value!r}: give True, False or a collection of roles, for example {example}"
+            f"{field}={value!r}: give {choices} or a collection of roles, for example {example}"
         )
     return frozenset(_parse(Role, role) for role in value)
 
@@ -314,24 +318,28 @@ class Float8LinearConfig:
     ("weight", "grad_output") leaves the inputs' casts to inductor: no cast the partitioner
     would keep is a kernel, so the block keeps what it keeps without the kernels."""
 
-    compiled_transpose_kernels: bool | frozenset[Role] = False
-    """Experimental, and measured no faster (H100: the casts took 0.21 ms more a step, the
-    model 1.345x bf16's tokens/s against 1.358x without it,
-    benchmarks/results/e2e_transpose_h100_2026-12-06.md: the kernel below is bound by its
-    instructions, not its stores). Under torch.compile, where one cast of a role
-    writes both layouts (grad_output's: row-major for grad_input, column-major for
-    grad_weight), inductor's kernel writes the row-major float8 bytes only and fp8train's
-    transpose kernel (a triton op, fp8train.kernels.transpose) copies them column-major, in
-    tiles that load and store contiguous runs. Inductor otherwise writes both layouts from the
-    kernel that makes the values, and where that kernel is a reduction (delayed scaling's
-    one-pass cast, fused with SwiGLU's backward) its column-major store is strided: on the
-    H100 that kernel took twice bf16's time for the same bytes
-    (benchmarks/results/e2e_loop_h100_2026-12-06.md). The copy costs one more read and write
-    of the float8 bytes. True: every role; a collection of roles: those only (("grad_output",)
-    is the case above). No number changes: the copy holds the same bytes. Ignored for a role
-    whose casts are compiled_cast_kernels (they write both layouts themselves) and in eager
-    mode (the eager kernels write both layouts from tiles already). Off CUDA the op copies
-    with torch."""
+    compiled_transpose_kernels: bool | frozenset[Role] | Literal["auto"] = "auto"
+    """Under torch.compile, where one cast of a role writes both layouts (grad_output's:
+    row-major for grad_input, column-major for grad_weight), inductor's kernel writes the
+    row-major float8 bytes only and fp8train's transpose kernel (a triton op,
+    fp8train.kernels.transpose) copies them column-major, in tiles that load and store
+    contiguous runs. Inductor otherwise writes both layouts from the kernel that makes the
+    values. No number changes: the copy holds the same bytes. True: every role; a collection
+    of roles: those only; False: none. Ignored for a role whose casts are
+    compiled_cast_kernels (they write both layouts themselves) and in eager mode (the eager
+    kernels write both layouts from tiles already). Off CUDA the op copies with torch.
+
+    "auto" (default): True where fp8train.toolchain_problem() finds that Triton would
+    assemble the kernels with a ptxas that miscompiles a kernel storing float8 bytes in both
+    layouts (sm_90 with ptxas 12.x, which torch 2.11's Triton ships), so that no compiled
+    kernel stores both; False elsewhere. Decided once per process, when the first
+    Float8Linear is built (fp8train.toolchain.auto_transpose_roles).
+
+    For speed alone it does not pay: the copy costs one more read and write of the float8
+    bytes, and inductor's own kernels get only a little faster without their strided store
+    (H100, delayed one-pass config: the casts took 0.21 ms more a step, the model 1.345x
+    bf16's tokens/s against 1.358x without it,
+    benchmarks/results/e2e_transpose_h100_2026-12-06.md)."""
 
     compiled_satfinite: bool = True
     """Under torch.compile on CUDA (compute capability 8.9 and later), leave the saturation of
@@ -369,11 +377,12 @@ class Float8LinearConfig:
     # that torch.compile traces (torch 2.11's dynamo cannot trace them inside autograd.Function).
 
     def __post_init__(self) -> None:
-        for field, example in (
-            ("compiled_cast_kernels", "('weight', 'grad_output')"),
-            ("compiled_transpose_kernels", "('grad_output',)"),
+        for field, example, auto in (
+            ("compiled_cast_kernels", "('weight', 'grad_output')", False),
+            ("compiled_transpose_kernels", "('grad_output',)", True),
         ):
-            object.__setattr__(self, field, _kernel_roles(field, getattr(self, field), example))
+            roles = _kernel_roles(field, getattr(self, field), example, auto)
+            object.__setattr__(self, field, roles)
         for field in dataclasses.fields(self):
             kind = {"cast": CastConfig, "gemm": Float8GemmConfig}.get(field.name.split("_")[0])
             if not kind:

@@ -30,6 +30,7 @@ from fp8train.matmul import (
     uses_blockwise,
 )
 from fp8train.tensor import Float8Tensor
+from fp8train.toolchain import resolve_auto_transpose
 
 
 class Float8Linear(nn.Linear):
@@ -63,6 +64,8 @@ class Float8Linear(nn.Linear):
         # code must not read it: an int attribute would be guarded on and recompile).
         register_delayed_buffers(self, self.config, device=self.weight.device)
         check_float8_compatible(self, self.config, fqn)
+        if self.config.compiled_transpose_kernels == "auto":
+            resolve_auto_transpose()
         if self.config.compiled_satfinite or self.config.compiled_integer_amax:
             # Imported here: torch._inductor takes half a second to import.
             from fp8train.inductor import install_pass_for

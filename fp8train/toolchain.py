@@ -11,7 +11,10 @@ ptxas and trained normally with CUDA 13.0's, the kernels' bytes likewise
 (benchmarks/results/ptxas_hazard_h100_2026-12-06.md).
 
 `toolchain_problem()` says whether this process is exposed, and what to do;
-convert_to_float8_training warns with it once per process (a `ToolchainWarning`).
+convert_to_float8_training warns with it once per process (a `ToolchainWarning`). Where it is
+exposed, Float8LinearConfig's default compiled_transpose_kernels="auto" turns the transpose
+kernels on (`auto_transpose_roles()`), so that no compiled kernel stores float8 bytes in both
+layouts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import subprocess
 import warnings
 
 import torch
+
+from fp8train.config import Role
 
 FIXED_PTXAS = (13, 0)
 """The first ptxas release seen to compile the kernels right for sm_90 (CUDA 13.0, H100)."""
@@ -110,9 +115,7 @@ def describe_problem(
         f"set TRITON_PTXAS_PATH={newer} (found here) before Python starts"
         if newer
         else "install the CUDA 13.0 toolkit or later and point TRITON_PTXAS_PATH at its "
-        "bin/ptxas before Python starts (without one, Float8LinearConfig("
-        "compiled_transpose_kernels=True) leaves each of inductor's kernels one layout, which "
-        "avoids the pattern but is not checked against it on a GPU)"
+        "bin/ptxas before Python starts"
     )
     return (
         f"Triton assembles this sm_{capability[0]}{capability[1]} GPU's kernels with ptxas "
@@ -121,6 +124,10 @@ def describe_problem(
         "(triton-lang/triton#11111). fp8train's casts store both layouts from one kernel; on "
         "an H100 a compiled model with inductor's coordinate_descent_tuning went NaN with it, "
         "and its SASS shows the faulty pattern at inductor's common block sizes too. "
+        "Meanwhile fp8train's compiled casts write one layout per kernel and copy the other "
+        "with a transpose kernel (Float8LinearConfig(compiled_transpose_kernels='auto'), the "
+        "default), which avoids the pattern at some cost in speed; a config that sets it "
+        "False is exposed, and so are other libraries' float8 kernels. "
         f"Fix: {fix}. The ptxas of CUDA 13.0 compiled the same kernels "
         "right. Silence this with warnings.filterwarnings('ignore', "
         "category=fp8train.ToolchainWarning)."
@@ -151,3 +158,20 @@ def warn_once_about_toolchain() -> None:
     problem = toolchain_problem()
     if problem is not None:
         warnings.warn(problem, ToolchainWarning, stacklevel=3)
+
+
+_auto_transpose_roles: frozenset[Role] = frozenset()
+
+
+def resolve_auto_transpose() -> None:
+    """Decide what compiled_transpose_kernels="auto" means in this process: every role where
+    toolchain_problem() finds one, none elsewhere. Called when a Float8Linear is built,
+    outside any traced code (toolchain_problem runs ptxas once)."""
+    global _auto_transpose_roles  # noqa: PLW0603 (one answer per process, read by traced code)
+    _auto_transpose_roles = frozenset(Role) if toolchain_problem() is not None else frozenset()
+
+
+def auto_transpose_roles() -> frozenset[Role]:
+    """The roles whose compiled casts "auto" gives the transpose kernel, as last resolved.
+    Traced code reads it: torch.compile guards on the value."""
+    return _auto_transpose_roles

@@ -422,6 +422,26 @@ def test_compiled_transpose_kernels_copy_grad_output_in_an_op_of_its_own(make_co
     assert backward_on.count(op) == 1
 
 
+@pytest.mark.parametrize("exposed", [True, False], ids=["bad-ptxas", "fine"])
+def test_auto_transpose_kernels_follow_the_toolchain(exposed, monkeypatch):
+    """The default compiled_transpose_kernels="auto" traces the transpose op where
+    fp8train.toolchain_problem() finds the ptxas that miscompiles kernels storing both
+    layouts, and not elsewhere; an explicit False keeps it out either way."""
+    import fp8train.cast
+    import fp8train.toolchain as toolchain
+    from benchmarks.saved_by_block import _opaque_transpose_op
+
+    monkeypatch.setattr(fp8train.cast, "_transpose_op", _opaque_transpose_op)
+    monkeypatch.setattr(toolchain, "_auto_transpose_roles", frozenset())  # restored after
+    monkeypatch.setattr(toolchain, "toolchain_problem", lambda: "ptxas 12.8" if exposed else None)
+    x = torch.randn(M, K, requires_grad=True)
+    op = "saved_by_block.column_major.default"
+    _, backward = _graph_targets(Float8Linear(K, N), x)
+    assert backward.count(op) == (1 if exposed else 0)
+    off = Float8Linear(K, N, config=Float8LinearConfig(compiled_transpose_kernels=False))
+    assert op not in _graph_targets(off, x)[1]
+
+
 def _same_steps_with_and_without_transposes(base, make_config, inputs, capture_code=False):  # noqa: ANN001, ANN201
     """Two compiled steps of copies of `base`, without and with compiled_transpose_kernels=
     ("grad_output",), delayed scaling synced after each: asserts that their outputs and

@@ -132,7 +132,8 @@ def test_compiled_cast_kernels_rejects_what_is_not_a_collection_of_roles(bad):
 
 
 def test_compiled_transpose_kernels_names_roles():
-    assert Float8LinearConfig().compiled_transpose_kernels == frozenset()
+    assert Float8LinearConfig().compiled_transpose_kernels == "auto"  # fp8train.toolchain
+    assert Float8LinearConfig(compiled_transpose_kernels=False).compiled_transpose_kernels == set()
     assert Float8LinearConfig(compiled_transpose_kernels=True).compiled_transpose_kernels == set(
         Role
     )
@@ -143,9 +144,12 @@ def test_compiled_transpose_kernels_names_roles():
     hash(some)
 
 
-@pytest.mark.parametrize("bad", ["grad_output", 2.0, ("gradient",)])
+@pytest.mark.parametrize("bad", ["grad_output", "Auto", 2.0, ("gradient",)])
 def test_compiled_transpose_kernels_rejects_what_is_not_a_collection_of_roles(bad):
-    message = r"compiled_transpose_kernels=.*\('grad_output',\)|is not a Role.*'grad_output'"
+    message = (
+        r"compiled_transpose_kernels=.*give \"auto\", True, False .*\('grad_output',\)"
+        r"|is not a Role.*'grad_output'"
+    )
     with pytest.raises(ValueError, match=message):
         Float8LinearConfig(compiled_transpose_kernels=bad)
 

@@ -7,6 +7,7 @@ from torch import nn
 
 import fp8train.toolchain as toolchain
 from fp8train import ToolchainWarning, convert_to_float8_training, toolchain_problem
+from fp8train.config import Role
 
 PTXAS_12_8 = """ptxas: NVIDIA (R) Ptx optimizing assembler
 Copyright (c) 2005-2025 NVIDIA Corporation
@@ -26,7 +27,6 @@ def test_hopper_with_ptxas_12_is_named_with_the_fix():
     assert "sm_90" in message and "ptxas 12.8 (/triton/bin/ptxas)" in message
     assert "triton-lang/triton#11111" in message
     assert "CUDA 13.0 toolkit or later" in message and "TRITON_PTXAS_PATH" in message
-    assert "compiled_transpose_kernels=True" in message
     found = toolchain.describe_problem((9, 0), "/triton/bin/ptxas", (12, 9), "/cuda/bin/ptxas")
     assert "set TRITON_PTXAS_PATH=/cuda/bin/ptxas (found here)" in found
 
@@ -80,3 +80,18 @@ def test_the_ptxas_in_use_is_named_for_result_headers(monkeypatch):
     assert toolchain.ptxas_in_use() == "13.0 (/usr/local/cuda/bin/ptxas)"
     monkeypatch.setattr(toolchain, "_triton_ptxas", lambda: None)
     assert toolchain.ptxas_in_use() is None
+
+
+def test_auto_transpose_kernels_are_decided_from_the_problem(monkeypatch):
+    monkeypatch.setattr(toolchain, "_auto_transpose_roles", frozenset())  # restored after
+    monkeypatch.setattr(toolchain, "toolchain_problem", lambda: "ptxas 12.8 miscompiles")
+    toolchain.resolve_auto_transpose()
+    assert toolchain.auto_transpose_roles() == set(Role)
+    monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
+    toolchain.resolve_auto_transpose()
+    assert toolchain.auto_transpose_roles() == set()
+
+
+def test_the_warning_says_what_the_default_does_meanwhile():
+    message = toolchain.describe_problem((9, 0), "/triton/bin/ptxas", (12, 8), None)
+    assert "compiled_transpose_kernels='auto'" in message and "sets it False" in message
