@@ -27,6 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(demo)
     demo.set_defaults(func=run_demo)
 
+    env = commands.add_parser(
+        "env",
+        help="versions, GPUs and the compiler Triton would use: what a bug report needs",
+        description="Print fp8train's, torch's, Triton's and torchao's versions, the GPUs, the "
+        "ptxas Triton assembles kernels with, any known problem with it (fp8train.toolchain) "
+        'and what compiled_transpose_kernels="auto" resolves to.',
+    )
+    env.set_defaults(func=_print_env)
+
     for name, summary in BENCHMARKS.items():
         bench = commands.add_parser(
             f"bench-{name}", help=summary, description=f"{summary} (benchmarks/bench_{name}.py)"
@@ -75,6 +84,13 @@ def _no_benchmarks(args: argparse.Namespace) -> None:
         "examples/ folders, which are not installed with the package: run this from the root "
         "of a checkout"
     )
+
+
+def _print_env(args: argparse.Namespace) -> None:
+    from fp8train.toolchain import report
+
+    for key, value in report():
+        print(f"{key}: {value}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -175,3 +175,31 @@ def auto_transpose_roles() -> frozenset[Role]:
     """The roles whose compiled casts "auto" gives the transpose kernel, as last resolved.
     Traced code reads it: torch.compile guards on the value."""
     return _auto_transpose_roles
+
+
+def report() -> list[tuple[str, str]]:
+    """What `python -m fp8train env` prints: the versions and devices fp8train runs on, the
+    ptxas Triton would use, any known problem with it, and what "auto" resolves to."""
+    import fp8train
+
+    facts = [("fp8train", fp8train.__version__), ("torch", torch.__version__)]
+    facts.append(("CUDA (torch built with)", str(torch.version.cuda)))
+    for name in ("triton", "torchao"):
+        try:
+            facts.append((name, __import__(name).__version__))
+        except Exception:  # noqa: BLE001 (absent or broken: either way not usable)
+            facts.append((name, "not importable"))
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            name = torch.cuda.get_device_name(index)
+            facts.append((f"GPU {index}", f"{name} (sm_{major}{minor})"))
+        facts.append(("ptxas Triton uses", ptxas_in_use() or "none found"))
+    else:
+        facts.append(("GPU", "none: float8 gemms run on the CPU (tensorwise, rowwise) or emulated"))
+    problem = toolchain_problem()
+    facts.append(("known compiler problem", problem or "none"))
+    resolve_auto_transpose()
+    auto = "on (every role)" if auto_transpose_roles() else "off"
+    facts.append(('compiled_transpose_kernels="auto"', auto))
+    return facts

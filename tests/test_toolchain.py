@@ -95,3 +95,17 @@ def test_auto_transpose_kernels_are_decided_from_the_problem(monkeypatch):
 def test_the_warning_says_what_the_default_does_meanwhile():
     message = toolchain.describe_problem((9, 0), "/triton/bin/ptxas", (12, 8), None)
     assert "compiled_transpose_kernels='auto'" in message and "sets it False" in message
+
+
+@pytest.mark.parametrize("problem", ["ptxas 12.8 miscompiles", None])
+def test_env_command_reports_the_toolchain_and_the_auto_choice(problem, monkeypatch, capsys):
+    from fp8train.__main__ import main
+
+    monkeypatch.setattr(toolchain, "_auto_transpose_roles", frozenset())  # restored after
+    monkeypatch.setattr(toolchain, "toolchain_problem", lambda: problem)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch: {toolchain.torch.__version__}" in out
+    assert f"known compiler problem: {problem or 'none'}" in out
+    auto = "on (every role)" if problem else "off"
+    assert f'compiled_transpose_kernels="auto": {auto}' in out
