@@ -64,8 +64,9 @@ class Float8Linear(nn.Linear):
         # code must not read it: an int attribute would be guarded on and recompile).
         register_delayed_buffers(self, self.config, device=self.weight.device)
         check_float8_compatible(self, self.config, fqn)
-        if self.config.compiled_transpose_kernels == "auto":
-            resolve_auto_transpose()
+        # Always: it points Triton at torch's own ptxas where that is the fix
+        # (fp8train.toolchain.adopt_torch_ptxas), before any of the layer's kernels compiles.
+        resolve_auto_transpose()
         if self.config.compiled_satfinite or self.config.compiled_integer_amax:
             # Imported here: torch._inductor takes half a second to import.
             from fp8train.inductor import install_pass_for

@@ -10,7 +10,14 @@ model with inductor's coordinate-descent tuning went NaN from its second step wi
 ptxas and trained normally with CUDA 13.0's, the kernels' bytes likewise
 (benchmarks/results/ptxas_hazard_h100_2026-12-06.md).
 
-`toolchain_problem()` says whether this process is exposed, and what to do;
+Triton is not always left to its own ptxas: torch's CUDA 13 wheels ship ptxas 13.0
+(torch/bin/ptxas), and inductor points Triton at it just before its first compile in a
+process, where TRITON_PTXAS_PATH is unset. Kernels compiled before that, or in a process
+that never takes inductor's compile path (its graphs served from a cache), still get
+Triton's own. `adopt_torch_ptxas()` makes inductor's choice as the first Float8Linear is
+built, for the whole process.
+
+`toolchain_problem()` says whether this process is exposed after that, and what to do;
 convert_to_float8_training warns with it once per process (a `ToolchainWarning`). Where it is
 exposed, Float8LinearConfig's default compiled_transpose_kernels="auto" turns the transpose
 kernels on (`auto_transpose_roles()`), so that no compiled kernel stores float8 bytes in both
@@ -92,8 +99,9 @@ def _triton_bin() -> str | None:
 
 
 def _newer_ptxas() -> str | None:
-    """A ptxas of FIXED_PTXAS or later on this machine (PATH, CUDA_HOME, /usr/local/cuda)."""
-    candidates = [shutil.which("ptxas")]
+    """A ptxas of FIXED_PTXAS or later on this machine (torch's, PATH, CUDA_HOME,
+    /usr/local/cuda)."""
+    candidates = [_torch_ptxas(), shutil.which("ptxas")]
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home:
             candidates.append(os.path.join(home, "bin", "ptxas"))
@@ -134,13 +142,44 @@ def describe_problem(
     )
 
 
+def _torch_ptxas() -> str | None:
+    """The ptxas torch's CUDA wheels ship (torch/bin/ptxas; 13.0 in the CUDA 13 builds of
+    torch 2.11), or None."""
+    path = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+@functools.cache
+def adopt_torch_ptxas() -> str | None:
+    """Point Triton at torch's own ptxas now (TRITON_PTXAS_PATH), where the variable is unset
+    and that ptxas is FIXED_PTXAS or later; returns its path, or None where nothing changed.
+
+    Inductor makes the same choice itself, but only on its compile path, just before its
+    first compile in a process (torch._inductor.runtime.compile_tasks sets the variable to
+    torch/bin/ptxas when it is unset). Until then Triton assembles with its own ptxas: so did
+    fp8train's eager kernels compiled before any inductor compile, and every kernel of a
+    process whose compiled graphs came from inductor's cache but whose kernels were compiled
+    again (the NaN of benchmarks/results/ptxas_hazard_h100_2026-12-06.md). Made here, the
+    same choice holds for the whole process. A variable the user set is left alone."""
+    if os.environ.get("TRITON_PTXAS_PATH") is not None or not torch.cuda.is_available():
+        return None
+    path = _torch_ptxas()
+    version = _ptxas_version(path) if path else None
+    if version is None or version < FIXED_PTXAS:
+        return None
+    os.environ["TRITON_PTXAS_PATH"] = path
+    return path
+
+
 @functools.cache
 def toolchain_problem() -> str | None:
     """What is wrong with the compiler Triton would use for this machine's GPUs, and the fix;
     None without CUDA, without Triton, or where nothing known is wrong. Found once per
-    process: Triton reads TRITON_PTXAS_PATH as the process starts its compile workers."""
+    process (Triton reads TRITON_PTXAS_PATH as the process starts its compile workers),
+    after adopt_torch_ptxas()."""
     if not torch.cuda.is_available() or torch.version.hip is not None:
         return None
+    adopt_torch_ptxas()
     capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
     affected = sorted(capabilities & AFFECTED_CAPABILITIES)
     if not affected:
@@ -165,8 +204,8 @@ _auto_transpose_roles: frozenset[Role] = frozenset()
 
 def resolve_auto_transpose() -> None:
     """Decide what compiled_transpose_kernels="auto" means in this process: every role where
-    toolchain_problem() finds one, none elsewhere. Called when a Float8Linear is built,
-    outside any traced code (toolchain_problem runs ptxas once)."""
+    toolchain_problem() finds one, none elsewhere (after adopt_torch_ptxas()). Called when a
+    Float8Linear is built, outside any traced code (toolchain_problem runs ptxas once)."""
     global _auto_transpose_roles  # noqa: PLW0603 (one answer per process, read by traced code)
     _auto_transpose_roles = frozenset(Role) if toolchain_problem() is not None else frozenset()
 
@@ -194,10 +233,15 @@ def report() -> list[tuple[str, str]]:
             major, minor = torch.cuda.get_device_capability(index)
             name = torch.cuda.get_device_name(index)
             facts.append((f"GPU {index}", f"{name} (sm_{major}{minor})"))
-        facts.append(("ptxas Triton uses", ptxas_in_use() or "none found"))
+        torch_ptxas = _torch_ptxas()
+        version = _ptxas_version(torch_ptxas) if torch_ptxas else None
+        shipped = f"{version[0]}.{version[1]} ({torch_ptxas})" if version else "none"
+        facts.append(("ptxas torch ships", shipped))
     else:
         facts.append(("GPU", "none: float8 gemms run on the CPU (tensorwise, rowwise) or emulated"))
-    problem = toolchain_problem()
+    problem = toolchain_problem()  # adopts torch's ptxas first, where it is the fix
+    if torch.cuda.is_available():
+        facts.append(("ptxas Triton uses", ptxas_in_use() or "none found"))
     facts.append(("known compiler problem", problem or "none"))
     resolve_auto_transpose()
     auto = "on (every role)" if auto_transpose_roles() else "off"

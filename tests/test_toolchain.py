@@ -1,5 +1,6 @@
 """The check of the compiler Triton assembles fp8train's kernels with (fp8train.toolchain)."""
 
+import os
 import warnings
 
 import pytest
@@ -109,3 +110,42 @@ def test_env_command_reports_the_toolchain_and_the_auto_choice(problem, monkeypa
     assert f"known compiler problem: {problem or 'none'}" in out
     auto = "on (every role)" if problem else "off"
     assert f'compiled_transpose_kernels="auto": {auto}' in out
+
+
+@pytest.mark.parametrize(
+    ("already", "shipped", "version", "adopted"),
+    [
+        (None, "/site/torch/bin/ptxas", (13, 0), True),
+        ("/mine/ptxas", "/site/torch/bin/ptxas", (13, 0), False),  # the user's choice stays
+        (None, "/site/torch/bin/ptxas", (12, 8), False),  # not a fix: Triton's own stays
+        (None, None, None, False),  # a wheel without a ptxas
+    ],
+)
+def test_torch_ptxas_is_adopted_only_where_it_is_the_fix(
+    already, shipped, version, adopted, monkeypatch
+):
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "recorded")  # so that the test's end restores it
+    if already is None:
+        monkeypatch.delenv("TRITON_PTXAS_PATH")
+    else:
+        monkeypatch.setenv("TRITON_PTXAS_PATH", already)
+    monkeypatch.setattr(toolchain.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(toolchain, "_torch_ptxas", lambda: shipped)
+    monkeypatch.setattr(toolchain, "_ptxas_version", lambda path: version)
+    toolchain.adopt_torch_ptxas.cache_clear()
+    try:
+        assert toolchain.adopt_torch_ptxas() == (shipped if adopted else None)
+        assert os.environ.get("TRITON_PTXAS_PATH") == (shipped if adopted else already)
+    finally:
+        toolchain.adopt_torch_ptxas.cache_clear()
+
+
+def test_torch_ptxas_is_looked_for_beside_torch(tmp_path, monkeypatch):
+    monkeypatch.setattr(toolchain.torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    assert toolchain._torch_ptxas() is None
+    ptxas = tmp_path / "torch" / "bin" / "ptxas"
+    ptxas.parent.mkdir(parents=True)
+    ptxas.write_text("")
+    assert toolchain._torch_ptxas() is None  # not executable
+    ptxas.chmod(0o755)
+    assert toolchain._torch_ptxas() == str(ptxas)
