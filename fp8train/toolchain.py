@@ -12,8 +12,8 @@ ptxas and trained normally with CUDA 13.0's, the kernels' bytes likewise
 
 Triton is not always left to its own ptxas: torch's CUDA 13 wheels ship ptxas 13.0
 (torch/bin/ptxas), and inductor points Triton at it just before its first compile in a
-process, where TRITON_PTXAS_PATH is unset. Kernels compiled before that, or in a process
-that never takes inductor's compile path (its graphs served from a cache), still get
+process, where TRITON_PTXAS_PATH is unset. Kernels compiled before that, or off that path
+(likely: kernels compiled while a process's graphs come from inductor's cache), still get
 Triton's own. `adopt_torch_ptxas()` makes inductor's choice as the first Float8Linear is
 built, for the whole process.
 
@@ -156,11 +156,12 @@ def adopt_torch_ptxas() -> str | None:
 
     Inductor makes the same choice itself, but only on its compile path, just before its
     first compile in a process (torch._inductor.runtime.compile_tasks sets the variable to
-    torch/bin/ptxas when it is unset). Until then Triton assembles with its own ptxas: so did
-    fp8train's eager kernels compiled before any inductor compile, and every kernel of a
-    process whose compiled graphs came from inductor's cache but whose kernels were compiled
-    again (the NaN of benchmarks/results/ptxas_hazard_h100_2026-12-06.md). Made here, the
-    same choice holds for the whole process. A variable the user set is left alone."""
+    torch/bin/ptxas when it is unset). Until then, and on paths that skip that call, Triton
+    assembles with its own ptxas: so did fp8train's eager kernels compiled before any
+    inductor compile, and, likely, kernels compiled while a process's graphs came from
+    inductor's cache (the NaN of benchmarks/results/ptxas_hazard_h100_2026-12-06.md). Made
+    here, the same choice holds for the whole process. A variable the user set is left
+    alone."""
     if os.environ.get("TRITON_PTXAS_PATH") is not None or not torch.cuda.is_available():
         return None
     path = _torch_ptxas()
