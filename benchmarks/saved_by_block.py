@@ -57,6 +57,9 @@ CONFIGS = {
     "tensorwise delayed one-pass": delayed_config(
         delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True)
     ),
+    "tensorwise delayed one-pass tied": delayed_config(
+        delayed_scaling_config=DelayedScalingConfig(compiled_one_pass=True)
+    ),
     "rowwise": Float8LinearConfig.from_recipe_name("rowwise"),
     "rowwise_with_gw_hp": Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp"),
 }

@@ -53,7 +53,10 @@ def _version(text: str) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
+@functools.cache
 def _ptxas_version(path: str) -> tuple[int, int] | None:
+    """The release of the ptxas at `path` (asked once per process: the checks ask for the same
+    few paths again and again), or None if it does not run."""
     try:
         output = subprocess.run(
             [path, "--version"], capture_output=True, text=True, timeout=30, check=False
