@@ -14,7 +14,7 @@ import torch
 
 import fp8train
 from fp8train import CastConfig, Float8LinearConfig
-from fp8train.toolchain import ptxas_in_use
+from fp8train.toolchain import adopt_torch_ptxas, ptxas_in_use
 
 
 def environment() -> dict[str, str]:
@@ -37,6 +37,9 @@ def environment() -> dict[str, str]:
     }
     if torch.cuda.is_available():
         # The compiler of the Triton kernels: 12.x miscompiles some on Hopper (fp8train.toolchain).
+        # The run's first Float8Linear adopts torch's own ptxas where it can; adopted here
+        # first, the header names the ptxas the run compiles with, not the one before that.
+        adopt_torch_ptxas()
         facts["ptxas"] = ptxas_in_use() or "none found"
     return facts
 

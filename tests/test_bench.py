@@ -588,3 +588,23 @@ def test_check_layouts_compares_digests_of_another_run():
     assert "| tensorwise, transpose | 1 of 2 |" in compare_digests(ours, theirs)
     assert digest(a) != digest(a.to(torch.bfloat16))
     assert compare_digests(ours, {}) == "no tensor in common with the other run"
+
+
+def test_result_headers_name_the_ptxas_after_its_adoption(monkeypatch):
+    """The run's first Float8Linear points Triton at torch's ptxas; the header, printed before
+    any layer exists, must name that ptxas, not the one Triton had at the start."""
+    from types import SimpleNamespace
+
+    import benchmarks.utils as utils
+
+    adopted = []
+    monkeypatch.setattr(utils.torch.cuda, "is_available", lambda: True)
+    props = SimpleNamespace(name="GPU", major=9, minor=0, total_memory=80 * 2**30)
+    monkeypatch.setattr(utils.torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(utils, "adopt_torch_ptxas", lambda: adopted.append(True))
+    monkeypatch.setattr(
+        utils,
+        "ptxas_in_use",
+        lambda: "13.0 (torch/bin/ptxas)" if adopted else "12.8 (Triton's own)",
+    )
+    assert utils.environment()["ptxas"] == "13.0 (torch/bin/ptxas)"
