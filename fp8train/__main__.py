@@ -57,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         module.add_arguments(example)
         example.set_defaults(func=module.main)
+    scorecard = commands.add_parser(
+        "scorecard",
+        help="run the per-layer, memory and end-to-end benchmarks and score the goals",
+        description="Run the per-layer, memory and end-to-end benchmarks and print the goals "
+        "table from their figures (benchmarks/scorecard.py)",
+    )
+    module = _from_checkout("benchmarks.scorecard")
+    if module is None:
+        scorecard.set_defaults(func=_no_benchmarks)
+    else:
+        module.add_arguments(scorecard)
+        scorecard.set_defaults(func=module.main)
     return parser
 
 

@@ -1,0 +1,350 @@
+"""The goals table from fresh measurements: run the per-layer, memory and end-to-end
+benchmarks, then score each goal of the speed, memory and end-to-end issues.
+
+    python -m benchmarks.scorecard --out DIR [--parts linear memory e2e] [--quick]
+    python -m benchmarks.scorecard --out DIR --score-only     # score what DIR already holds
+
+Each part runs as its own process (its stdout in DIR/PART.txt, its figures in DIR/PART.csv
+or DIR/e2e.json), so the parts can run in separate sessions into one folder and be scored
+together with --score-only. The table goes to stdout and to DIR/scorecard.md, each row with
+the file it was read from. torchao.float8 columns appear where it was importable in the
+part's run.
+
+A goal is "yes" or "no" from the figure as measured, one run, no margin for noise: the
+figures beside it say how close. The end-to-end loss row is one seed's, which tests
+nothing about a 0.5% parity (runs of that model scatter by percents): it is shown, never
+scored. --quick runs every part small, on the CPU when there is no GPU: a check that the
+commands and the scoring work, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.utils import environment, markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent  # the parts run as modules from here
+PARTS = ("linear", "memory", "e2e")
+SHAPES = ("attn.wqkv", "attn.w0", "ffn.w13", "ffn.w2")
+E2E_CONFIGS = ("bf16", "tensorwise", "tensorwise-delayed-one-pass-tied")
+
+
+def _torchao_importable() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception:  # noqa: BLE001 (absent or broken: either way not comparable)
+        return False
+    return True
+
+
+def commands(out: Path, quick: bool, device: str) -> dict[str, list[str]]:
+    """The command of each part, as it runs from the repository root."""
+    py = [sys.executable, "-m"]
+    linear = [*py, "benchmarks.bench_linear", "--device", device, "--csv", str(out / "linear.csv")]
+    memory = [*py, "benchmarks.bench_memory", "--device", device, "--csv", str(out / "memory.csv")]
+    e2e = [*py, "examples.train_llama", "--device", device, "--json", str(out / "e2e.json")]
+    e2e += ["--quiet", "--configs", *E2E_CONFIGS]
+    if _torchao_importable():
+        e2e.append("torchao-tensorwise")
+    if quick:
+        linear += ["--compile", "off", "--shape", "256", "256", "256"]
+        memory += ["--cases", "linear-4096", "--modes", "eager"]
+        e2e += ["--preset", "cpu", "--steps", "4", "--eval-batches", "1"]
+    else:
+        linear += ["--compile", "both"]
+        e2e += ["--preset", "h200", "--compile", "--steps", "300"]
+        e2e += ["--plot", str(out / "e2e.png")]
+    return {"linear": linear, "memory": memory, "e2e": e2e}
+
+
+@dataclass
+class Score:
+    what: str
+    goal: str
+    fp8train: str
+    torchao: str
+    met: bool | None  # None: shown, not scored
+    record: str
+
+    def row(self) -> dict[str, str]:
+        met = "-" if self.met is None else ("yes" if self.met else "no")
+        return {
+            "what": self.what,
+            "goal": self.goal,
+            "fp8train": self.fp8train,
+            "torchao.float8": self.torchao,
+            "met": met,
+            "record": self.record,
+        }
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _number(value: str | None) -> float | None:
+    return float(value) if value not in (None, "", "None") else None
+
+
+def _geomean(values: list[float]) -> float:
+    return statistics.geometric_mean(values)
+
+
+def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list[Score]:
+    """The per-layer goals from bench_linear's CSV: tensorwise rows against bf16 (the CPU's
+    runs: fp32), default compile mode, the default save policy."""
+    dtypes = {row["ref_dtype"] for row in rows}
+    reference = "bfloat16" if "bfloat16" in dtypes or not dtypes else sorted(dtypes)[0]
+    rows = [
+        row
+        for row in rows
+        if row["recipe"] == "tensorwise"
+        and row["ref_dtype"] == reference
+        and row["recompute_weight_cast"] == "True"
+        and row.get("compile_mode") in (None, "", "None", "default")
+    ]
+    scores = []
+    for compiled, label, goal in (("True", "compiled", 1.5), ("False", "eager", 1.3)):
+        mode = [row for row in rows if row["compiled"] == compiled]
+        if not mode:
+            continue
+        fp8 = _geomean([float(row["fp8_speedup"]) for row in mode])
+        ao = [_number(row.get("torchao_speedup")) for row in mode]
+        ao_text = f"{_geomean(ao):.3f}x" if all(a is not None for a in ao) else "not run"
+        scores.append(
+            Score(
+                f"per-layer fwd+bwd, {label}, geometric mean over {len(mode)} shapes",
+                f">= {goal}x bf16",
+                f"{fp8:.3f}x",
+                ao_text,
+                fp8 >= goal,
+                record,
+            )
+        )
+        if compiled != "True":
+            continue
+        versus = {row["name"]: _number(row.get("vs_torchao")) for row in mode}
+        if versus and all(v is not None for v in versus.values()):
+            slowest = min(versus, key=versus.get)
+            scores.append(
+                Score(
+                    "per-layer, compiled, each shape against torchao.float8",
+                    ">= 1.15x on every shape",
+                    f"{min(versus.values()):.3f}-{max(versus.values()):.3f}x (slowest {slowest})",
+                    "-",
+                    min(versus.values()) >= 1.15,
+                    record,
+                )
+            )
+        w13 = [row for row in mode if row["name"] == "ffn.w13"]
+        if w13:
+            speedup = float(w13[0]["fp8_speedup"])
+            ao = _number(w13[0].get("torchao_speedup"))
+            scores.append(
+                Score(
+                    "per-layer, compiled, ffn.w13",
+                    ">= 1.7x bf16",
+                    f"{speedup:.3f}x",
+                    f"{ao:.3f}x" if ao is not None else "not run",
+                    speedup >= 1.7,
+                    record,
+                )
+            )
+    if rows:
+        slowest = min(rows, key=lambda row: float(row["auto_filter_speedup"]))
+        value = float(slowest["auto_filter_speedup"])
+        mode = "compiled" if slowest["compiled"] == "True" else "eager"
+        scores.append(
+            Score(
+                "with the auto filter on, the slowest layer against bf16",
+                ">= 1x (no layer slower)",
+                f"{value:.3f}x ({slowest['name']}, {mode})",
+                "-",
+                value >= 1.0,
+                record,
+            )
+        )
+    return scores
+
+
+def score_memory(rows: list[dict[str, str]], record: str = "memory.csv") -> list[Score]:
+    """The memory goals from bench_memory's CSV (peak of one fwd+bwd per case and mode)."""
+
+    def ratio(row: dict[str, str], column: str) -> float | None:
+        value = _number(row.get(column))
+        return None if value is None else value / float(row["bf16"])
+
+    scores = []
+    for row in rows:
+        if row["case"] != "linear-16384":
+            continue
+        goal = 0.75 if row["mode"] == "eager" else 0.70
+        fp8 = ratio(row, "fp8 default")
+        ao = ratio(row, "torchao.float8")
+        scores.append(
+            Score(
+                f"activation-heavy peak (linear-16384), {row['mode']}",
+                f"<= {goal}x bf16",
+                f"{fp8:.3f}x",
+                f"{ao:.3f}x" if ao is not None else "not run",
+                fp8 <= goal,
+                record,
+            )
+        )
+    eager = [(row["case"], ratio(row, "fp8 default")) for row in rows if row["mode"] == "eager"]
+    if eager:
+        case, worst = max(eager, key=lambda pair: pair[1])
+        scores.append(
+            Score(
+                "eager peak against bf16, the highest case",
+                "<= 1x on every case",
+                f"{worst:.3f}x ({case})",
+                "-",
+                worst <= 1.0,
+                record,
+            )
+        )
+    return scores
+
+
+def score_e2e(data: dict, record: str = "e2e.json") -> list[Score]:
+    """The end-to-end goals from train_llama's JSON: the fastest float8 config of the run
+    against bf16, its peak memory, and its loss (shown only)."""
+    runs = data["runs"]
+    bf16 = next(run for run in runs if run["config"] == "bf16")
+    ours = [run for run in runs if run["config"] not in ("bf16", "bf16-nudged")]
+    ours = [run for run in ours if not run["config"].startswith("torchao")]
+    theirs = [run for run in runs if run["config"].startswith("torchao")]
+    if not ours:
+        return []
+    best = max(ours, key=lambda run: run["tokens_per_s"])
+
+    def speed(run: dict) -> float:
+        return run["tokens_per_s"] / bf16["tokens_per_s"]
+
+    def memory(run: dict) -> float | None:
+        if run["peak_memory_gib"] is None or bf16["peak_memory_gib"] is None:
+            return None  # the CPU's runs measure no peak
+        return run["peak_memory_gib"] / bf16["peak_memory_gib"]
+
+    def loss(run: dict) -> float:
+        return 100 * (run["val_loss"] / bf16["val_loss"] - 1)
+
+    ao = theirs[0] if theirs else None
+    measured = [run for run in ours if memory(run) is not None]
+    if measured:
+        lightest = min(measured, key=memory)
+        ratio = memory(lightest)
+        peak = Score(
+            "end to end, peak memory",
+            "<= 0.85x bf16",
+            f"{ratio:.4f}x ({lightest['config']})",
+            f"{memory(ao):.4f}x" if ao else "not run",
+            ratio <= 0.85,
+            record,
+        )
+    else:
+        peak = Score("end to end, peak memory", "<= 0.85x bf16", "not measured", "-", None, record)
+    return [
+        Score(
+            "end to end, tokens/s",
+            ">= 1.4x bf16",
+            f"{speed(best):.3f}x ({best['config']})",
+            f"{speed(ao):.3f}x" if ao else "not run",
+            speed(best) >= 1.4,
+            record,
+        ),
+        peak,
+        Score(
+            "end to end, validation loss (one seed: not a parity test)",
+            "within 0.5% of bf16",
+            f"{loss(best):+.2f}% ({best['config']})",
+            f"{loss(ao):+.2f}%" if ao else "not run",
+            None,
+            record,
+        ),
+    ]
+
+
+def score(out: Path) -> list[Score]:
+    """Every goal whose part's output is in `out`."""
+    scores = []
+    if (out / "linear.csv").exists():
+        scores += score_linear(read_csv(out / "linear.csv"))
+    if (out / "memory.csv").exists():
+        scores += score_memory(read_csv(out / "memory.csv"))
+    if (out / "e2e.json").exists():
+        scores += score_e2e(json.loads((out / "e2e.json").read_text()))
+    return scores
+
+
+def run_part(name: str, command: list[str], out: Path) -> int:
+    """Run one part, its output to the terminal and to out/NAME.txt; its exit status."""
+    print(f"## {name}: {' '.join(command)}", flush=True)
+    with open(out / f"{name}.txt", "w") as log:
+        log.write(f"command: {' '.join(command)}\n\n")
+        log.flush()
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        return process.wait()
+
+
+def main(args: argparse.Namespace) -> None:
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick and not args.score_only:
+        raise SystemExit(
+            "scorecard: the goals are GPU figures and no GPU is visible: run it on an H100 or "
+            "H200, or pass --quick to check the commands small on the CPU"
+        )
+    failed = []
+    if not args.score_only:
+        for name, command in commands(out, args.quick, device).items():
+            if name in args.parts and run_part(name, command, out) != 0:
+                failed.append(name)
+    scores = score(out)
+    if not scores:
+        raise SystemExit(
+            f"scorecard: nothing to score in {out} (no linear.csv, memory.csv, e2e.json)"
+        )
+    lines = [f"- {key}: {value}" for key, value in environment().items()]
+    lines += ["", markdown_table([s.row() for s in scores])]
+    if args.quick:
+        lines += ["", "(--quick: small shapes and few steps; not a measurement)"]
+    (out / "scorecard.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if failed:
+        raise SystemExit(f"scorecard: these parts failed: {', '.join(failed)} (see their .txt)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="folder for every part's output")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument(
+        "--quick", action="store_true", help="small and short: checks the plumbing, on any device"
+    )
+    parser.add_argument(
+        "--score-only", action="store_true", help="run nothing; score what --out holds"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())
