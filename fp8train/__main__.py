@@ -37,38 +37,25 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(func=_print_env)
 
     for name, summary in BENCHMARKS.items():
-        bench = commands.add_parser(
-            f"bench-{name}", help=summary, description=f"{summary} (benchmarks/bench_{name}.py)"
+        description = f"{summary} (benchmarks/bench_{name}.py)"
+        _add_checkout_command(
+            commands, f"bench-{name}", f"benchmarks.bench_{name}", summary, description
         )
-        module = _from_checkout(f"benchmarks.bench_{name}")
-        if module is None:
-            bench.set_defaults(func=_no_benchmarks)
-        else:
-            module.add_arguments(bench)
-            bench.set_defaults(func=module.main)
-    example = commands.add_parser(
+    _add_checkout_command(
+        commands,
         "train-llama",
-        help="LLaMA-style training on real text: bf16 against float8 recipes and torchao.float8",
-        description="LLaMA-style training on real text (examples/train_llama.py)",
+        "examples.train_llama",
+        "LLaMA-style training on real text: bf16 against float8 recipes and torchao.float8",
+        "LLaMA-style training on real text (examples/train_llama.py)",
     )
-    module = _from_checkout("examples.train_llama")
-    if module is None:
-        example.set_defaults(func=_no_benchmarks)
-    else:
-        module.add_arguments(example)
-        example.set_defaults(func=module.main)
-    scorecard = commands.add_parser(
+    _add_checkout_command(
+        commands,
         "scorecard",
-        help="run the per-layer, memory and end-to-end benchmarks and score the goals",
-        description="Run the per-layer, memory and end-to-end benchmarks and print the goals "
-        "table from their figures (benchmarks/scorecard.py)",
+        "benchmarks.scorecard",
+        "run the per-layer, memory and end-to-end benchmarks and score the goals",
+        "Run the per-layer, memory and end-to-end benchmarks and print the goals table from "
+        "their figures (benchmarks/scorecard.py)",
     )
-    module = _from_checkout("benchmarks.scorecard")
-    if module is None:
-        scorecard.set_defaults(func=_no_benchmarks)
-    else:
-        module.add_arguments(scorecard)
-        scorecard.set_defaults(func=module.main)
     return parser
 
 
@@ -77,6 +64,24 @@ BENCHMARKS = {
     "linear": "fwd+bwd time of one layer, nn.Linear against Float8Linear (and torchao.float8)",
     "cast": "the casts alone, eager and compiled, against a device copy's bandwidth",
 }
+
+
+def _add_checkout_command(
+    commands: argparse._SubParsersAction,
+    command: str,
+    module_name: str,
+    summary: str,
+    description: str,
+) -> None:
+    """A command whose module lives in the checkout (benchmarks/, examples/): its own
+    add_arguments and main, or a clear error outside a checkout."""
+    parser = commands.add_parser(command, help=summary, description=description)
+    module = _from_checkout(module_name)
+    if module is None:
+        parser.set_defaults(func=_no_benchmarks)
+    else:
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.main)
 
 
 def _from_checkout(name: str):  # noqa: ANN202

@@ -608,3 +608,12 @@ def test_result_headers_name_the_ptxas_after_its_adoption(monkeypatch):
         lambda: "13.0 (torch/bin/ptxas)" if adopted else "12.8 (Triton's own)",
     )
     assert utils.environment()["ptxas"] == "13.0 (torch/bin/ptxas)"
+
+
+@pytest.mark.parametrize("command", ["bench-memory", "train-llama", "scorecard"])
+def test_checkout_commands_outside_a_checkout_say_where_they_live(command, monkeypatch):
+    import fp8train.__main__ as cli
+
+    monkeypatch.setattr(cli, "_from_checkout", lambda name: None)
+    with pytest.raises(SystemExit, match="run this from the root of a checkout"):
+        cli.main([command])
