@@ -1,7 +1,7 @@
 """The goals table from fresh measurements: run the per-layer, memory and end-to-end
 benchmarks, then score each goal of the speed, memory and end-to-end issues.
 
-    python -m benchmarks.scorecard --out DIR [--parts linear memory e2e] [--quick]
+    python -m benchmarks.scorecard --out DIR [--parts linear memory e2e] [--quick] [--tuned]
     python -m benchmarks.scorecard --out DIR --score-only     # score what DIR already holds
 
 Each part runs as its own process (its stdout in DIR/PART.txt, its figures in DIR/PART.csv
@@ -46,7 +46,7 @@ def _torchao_importable() -> bool:
     return True
 
 
-def commands(out: Path, quick: bool, device: str) -> dict[str, list[str]]:
+def commands(out: Path, quick: bool, device: str, tuned: bool = False) -> dict[str, list[str]]:
     """The command of each part, as it runs from the repository root."""
     py = [sys.executable, "-m"]
     linear = [*py, "benchmarks.bench_linear", "--device", device, "--csv", str(out / "linear.csv")]
@@ -63,6 +63,8 @@ def commands(out: Path, quick: bool, device: str) -> dict[str, list[str]]:
         linear += ["--compile", "both"]
         e2e += ["--preset", "h200", "--compile", "--steps", "300"]
         e2e += ["--plot", str(out / "e2e.png")]
+    if tuned:
+        e2e += ["--inductor", "coordinate_descent_tuning=True"]
     return {"linear": linear, "memory": memory, "e2e": e2e}
 
 
@@ -315,7 +317,7 @@ def main(args: argparse.Namespace) -> None:
         )
     failed = []
     if not args.score_only:
-        for name, command in commands(out, args.quick, device).items():
+        for name, command in commands(out, args.quick, device, args.tuned).items():
             if name in args.parts and run_part(name, command, out) != 0:
                 failed.append(name)
     scores = score(out)
@@ -338,6 +340,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument(
         "--quick", action="store_true", help="small and short: checks the plumbing, on any device"
+    )
+    parser.add_argument(
+        "--tuned",
+        action="store_true",
+        help="the end-to-end runs with inductor's coordinate descent tuning (every config, bf16 "
+        "too; from a cold cache it takes several times longer to compile)",
     )
     parser.add_argument(
         "--score-only", action="store_true", help="run nothing; score what --out holds"

@@ -7,7 +7,14 @@ import sys
 import pytest
 import torch
 
-from benchmarks.scorecard import ROOT, score, score_e2e, score_linear, score_memory
+from benchmarks.scorecard import (
+    ROOT,
+    commands,
+    score,
+    score_e2e,
+    score_linear,
+    score_memory,
+)
 
 
 def linear_row(name, compiled, speedup, vs_torchao=None, **overrides):
@@ -152,3 +159,12 @@ def test_scorecard_refuses_a_full_run_without_a_gpu(tmp_path):
     )
     assert result.returncode != 0
     assert "no GPU is visible" in result.stderr
+
+
+def test_tuned_end_to_end_runs_pass_the_tuning_to_every_config(tmp_path):
+    plain = commands(tmp_path, quick=False, device="cuda")
+    tuned = commands(tmp_path, quick=False, device="cuda", tuned=True)
+    assert "--inductor" not in plain["e2e"]
+    assert tuned["e2e"][-2:] == ["--inductor", "coordinate_descent_tuning=True"]
+    assert tuned["linear"] == plain["linear"] and tuned["memory"] == plain["memory"]
+    assert {"--preset", "h200", "--compile"} <= set(plain["e2e"])
