@@ -34,7 +34,6 @@ from benchmarks.utils import environment, markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent  # the parts run as modules from here
 PARTS = ("linear", "memory", "e2e")
-SHAPES = ("attn.wqkv", "attn.w0", "ffn.w13", "ffn.w2")
 E2E_CONFIGS = ("bf16", "tensorwise", "tensorwise-delayed-one-pass-tied")
 
 
@@ -98,10 +97,6 @@ def _number(value: str | None) -> float | None:
     return float(value) if value not in (None, "", "None") else None
 
 
-def _geomean(values: list[float]) -> float:
-    return statistics.geometric_mean(values)
-
-
 def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list[Score]:
     """The per-layer goals from bench_linear's CSV: tensorwise rows against bf16 (the CPU's
     runs: fp32), default compile mode, the default save policy."""
@@ -120,9 +115,10 @@ def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list
         mode = [row for row in rows if row["compiled"] == compiled]
         if not mode:
             continue
-        fp8 = _geomean([float(row["fp8_speedup"]) for row in mode])
-        ao = [_number(row.get("torchao_speedup")) for row in mode]
-        ao_text = f"{_geomean(ao):.3f}x" if all(a is not None for a in ao) else "not run"
+        fp8 = statistics.geometric_mean(float(row["fp8_speedup"]) for row in mode)
+        theirs = [_number(row.get("torchao_speedup")) for row in mode]
+        known = all(value is not None for value in theirs)
+        ao_text = f"{statistics.geometric_mean(theirs):.3f}x" if known else "not run"
         scores.append(
             Score(
                 f"per-layer fwd+bwd, {label}, geometric mean over {len(mode)} shapes",
@@ -165,12 +161,12 @@ def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list
     if rows:
         slowest = min(rows, key=lambda row: float(row["auto_filter_speedup"]))
         value = float(slowest["auto_filter_speedup"])
-        mode = "compiled" if slowest["compiled"] == "True" else "eager"
+        where = "compiled" if slowest["compiled"] == "True" else "eager"
         scores.append(
             Score(
                 "with the auto filter on, the slowest layer against bf16",
                 ">= 1x (no layer slower)",
-                f"{value:.3f}x ({slowest['name']}, {mode})",
+                f"{value:.3f}x ({slowest['name']}, {where})",
                 "-",
                 value >= 1.0,
                 record,

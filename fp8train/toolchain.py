@@ -85,11 +85,15 @@ def ptxas_in_use() -> str | None:
     """The ptxas Triton assembles sm_90 code with, for a result's header: its release and
     "Triton's own" or its path (TRITON_PTXAS_PATH); None without Triton."""
     path = _triton_ptxas()
-    version = _ptxas_version(path) if path else None
-    if version is None:
+    if path is None:
         return None
-    where = "Triton's own" if os.path.dirname(path) == _triton_bin() else path
-    return f"{version[0]}.{version[1]} ({where})"
+    return _described(path, "Triton's own" if os.path.dirname(path) == _triton_bin() else path)
+
+
+def _described(path: str, where: str) -> str | None:
+    """The ptxas at `path` as "13.0 (where)", or None if it does not run."""
+    version = _ptxas_version(path)
+    return f"{version[0]}.{version[1]} ({where})" if version else None
 
 
 def _triton_bin() -> str | None:
@@ -238,9 +242,8 @@ def report() -> list[tuple[str, str]]:
             name = torch.cuda.get_device_name(index)
             facts.append((f"GPU {index}", f"{name} (sm_{major}{minor})"))
         torch_ptxas = _torch_ptxas()
-        version = _ptxas_version(torch_ptxas) if torch_ptxas else None
-        shipped = f"{version[0]}.{version[1]} ({torch_ptxas})" if version else "none"
-        facts.append(("ptxas torch ships", shipped))
+        shipped = _described(torch_ptxas, torch_ptxas) if torch_ptxas else None
+        facts.append(("ptxas torch ships", shipped or "none"))
     else:
         facts.append(("GPU", "none: float8 gemms run on the CPU (tensorwise, rowwise) or emulated"))
     problem = toolchain_problem()  # adopts torch's ptxas first, where it is the fix
