@@ -40,6 +40,7 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
         "tensorwise-keep-hp-input",
         "tensorwise-float8-swiglu",
         "tensorwise-float8-swiglu-exact",
+        "tensorwise-delayed-one-pass-tied-float8-swiglu-exact",
     ]
     rows = run(tmp_path, "--configs", *configs, "--plot", str(plot))
     assert [r["config"] for r in rows] == configs
@@ -58,6 +59,28 @@ def test_training_runs_compare_and_plot(tmp_path, capsys):
     assert json.loads((tmp_path / "runs.json").read_text())["runs"][1]["config"] == "tensorwise"
     table = capsys.readouterr().out
     assert "| fp32 |" in table and "val vs fp32 %" in table
+
+
+def test_a_float8_swiglu_suffix_adds_float8_swiglu_to_the_config_before_it():
+    from fp8train.config import ScalingType
+    from fp8train.models import FeedForward, ModelArgs, Transformer
+
+    def converted(name: str) -> Transformer:
+        return train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
+
+    model = converted("tensorwise-delayed-one-pass-tied-float8-swiglu-exact")
+    ffn = next(m for m in model.modules() if isinstance(m, FeedForward))
+    assert ffn.float8_swiglu and ffn.float8_swiglu_exact_forward
+    config = ffn.w1.config
+    assert config.cast_config_input.scaling_type is ScalingType.DELAYED
+    assert config.delayed_scaling_config.compiled_one_pass
+    plain = next(m for m in converted("tensorwise").modules() if isinstance(m, FeedForward))
+    assert not plain.float8_swiglu
+    rounded = next(
+        m for m in converted("tensorwise-float8-swiglu").modules() if isinstance(m, FeedForward)
+    )
+    assert rounded.float8_swiglu and not rounded.float8_swiglu_exact_forward
+    assert rounded.w1.config.cast_config_input.scaling_type is ScalingType.DYNAMIC
 
 
 def test_several_seeds_compare_each_run_with_the_baseline_of_its_seed(tmp_path, capsys):
