@@ -34,7 +34,13 @@ from benchmarks.utils import environment, markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent  # the parts run as modules from here
 PARTS = ("linear", "memory", "e2e")
-E2E_CONFIGS = ("bf16", "tensorwise", "tensorwise-delayed-one-pass-tied")
+E2E_CONFIGS = (
+    "bf16",
+    "tensorwise",
+    "tensorwise-delayed-one-pass-tied",
+    # the opt-in exact float8 SwiGLU on the fastest recipe: the lightest config
+    "tensorwise-delayed-one-pass-tied-float8-swiglu-exact",
+)
 
 
 def _torchao_importable() -> bool:
@@ -239,6 +245,8 @@ def score_e2e(data: dict, record: str = "e2e.json") -> list[Score]:
         return 100 * (run["val_loss"] / bf16["val_loss"] - 1)
 
     ao = theirs[0] if theirs else None
+    best_memory = memory(best)
+    at_memory = "" if best_memory is None else f", at {best_memory:.4f}x peak memory"
     measured = [run for run in ours if memory(run) is not None]
     if measured:
         lightest = min(measured, key=memory)
@@ -246,7 +254,7 @@ def score_e2e(data: dict, record: str = "e2e.json") -> list[Score]:
         peak = Score(
             "end to end, peak memory",
             "<= 0.85x bf16",
-            f"{ratio:.4f}x ({lightest['config']})",
+            f"{ratio:.4f}x ({lightest['config']}, at {speed(lightest):.3f}x tokens/s)",
             f"{memory(ao):.4f}x" if ao else "not run",
             ratio <= 0.85,
             record,
@@ -257,7 +265,7 @@ def score_e2e(data: dict, record: str = "e2e.json") -> list[Score]:
         Score(
             "end to end, tokens/s",
             ">= 1.4x bf16",
-            f"{speed(best):.3f}x ({best['config']})",
+            f"{speed(best):.3f}x ({best['config']}{at_memory})",
             f"{speed(ao):.3f}x" if ao else "not run",
             speed(best) >= 1.4,
             record,
@@ -284,6 +292,19 @@ def score(out: Path) -> list[Score]:
     if (out / "e2e.json").exists():
         scores += score_e2e(json.loads((out / "e2e.json").read_text()))
     return scores
+
+
+def records_header(out: Path) -> dict[str, str]:
+    """What --score-only says of the figures: measured where each part's record says (its
+    PART.txt, and e2e.json's environment, copied here), not on the machine that scores."""
+    header = {
+        "scored from": f"the records in {out.name}/, measured where each record says (its "
+        "PART.txt starts with its machine, versions and command)"
+    }
+    if (out / "e2e.json").exists():
+        environment_of_e2e = json.loads((out / "e2e.json").read_text()).get("environment", {})
+        header.update({f"e2e {key}": value for key, value in environment_of_e2e.items()})
+    return header
 
 
 def run_part(name: str, command: list[str], out: Path) -> int:
@@ -321,7 +342,8 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"scorecard: nothing to score in {out} (no linear.csv, memory.csv, e2e.json)"
         )
-    lines = [f"- {key}: {value}" for key, value in environment().items()]
+    header = records_header(out) if args.score_only else environment()
+    lines = [f"- {key}: {value}" for key, value in header.items()]
     lines += ["", markdown_table([s.row() for s in scores])]
     if args.quick:
         lines += ["", "(--quick: small shapes and few steps; not a measurement)"]

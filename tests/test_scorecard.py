@@ -105,12 +105,28 @@ def test_end_to_end_goals_take_the_fastest_float8_config_and_never_score_one_see
         ]
     }
     speed, memory, loss = score_e2e(data)
-    assert speed.fp8train == "1.410x (tensorwise-delayed-one-pass-tied)"
+    assert speed.fp8train == "1.410x (tensorwise-delayed-one-pass-tied, at 0.8438x peak memory)"
     assert (speed.torchao, speed.met) == ("1.500x", True)
-    assert memory.fp8train == "0.8438x (tensorwise-delayed-one-pass-tied)"
+    assert memory.fp8train == "0.8438x (tensorwise-delayed-one-pass-tied, at 1.410x tokens/s)"
     assert memory.met is True
     assert loss.met is None
     assert loss.fp8train == "-0.50% (tensorwise-delayed-one-pass-tied)"
+
+
+def test_the_lightest_config_is_scored_for_memory_with_its_own_speed_beside_it():
+    data = {
+        "runs": [
+            e2e_run("bf16", 100.0, 16.0, 2.0),
+            e2e_run("tensorwise-delayed-one-pass-tied", 138.0, 14.0, 2.0),
+            e2e_run("tensorwise-delayed-one-pass-tied-float8-swiglu-exact", 136.0, 13.2, 2.0),
+        ]
+    }
+    speed, memory, _ = score_e2e(data)
+    assert speed.fp8train == "1.380x (tensorwise-delayed-one-pass-tied, at 0.8750x peak memory)"
+    assert memory.fp8train == (
+        "0.8250x (tensorwise-delayed-one-pass-tied-float8-swiglu-exact, at 1.360x tokens/s)"
+    )
+    assert (speed.met, memory.met) == (False, True)
 
 
 def test_end_to_end_runs_without_a_peak_are_not_scored_for_memory():
@@ -145,6 +161,26 @@ def test_quick_scorecard_runs_every_part_and_writes_the_table(tmp_path):
     for what in ("per-layer fwd+bwd, eager", "eager peak against bf16", "end to end, tokens/s"):
         assert what in table
     assert "not a measurement" in table
+
+
+def test_score_only_names_the_records_machine_not_the_scoring_one(tmp_path):
+    data = {
+        "environment": {"device": "NVIDIA H100 80GB HBM3 (sm_90, 79 GiB)", "torch": "2.11.0"},
+        "runs": [e2e_run("bf16", 10.0, 2.0, 4.0), e2e_run("tensorwise", 14.5, 1.6, 4.0)],
+    }
+    (tmp_path / "e2e.json").write_text(json.dumps(data))
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scorecard", "--out", str(tmp_path), "--score-only"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "scorecard.md").read_text()
+    assert "- e2e device: NVIDIA H100 80GB HBM3 (sm_90, 79 GiB)" in table
+    assert "scored from: the records in" in table
+    assert "- device:" not in table  # the scoring machine's own header is left out
 
 
 def test_scorecard_refuses_a_full_run_without_a_gpu(tmp_path):
