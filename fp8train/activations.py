@@ -48,7 +48,8 @@ memory, not a free saving. With exact_forward=True, on the same model: peak 0.83
 2.3% fewer tokens/s than tensorwise, and validation loss against tensorwise of -1.00%, -0.29%
 and +4.13% over three seeds. The +4.13% came from a run placed last in its process, and
 deterministic mode gives -0.80% on that seed. Too few seeds to call it free; off by default
-too.
+too. On delayed one-pass tied scaling (H100, one run): peak 0.8344x bf16's against 0.8806x
+without it, 1.5% fewer tokens/s (benchmarks/results/e2e_swiglu_h100_2026-12-07.md).
 """
 
 from __future__ import annotations
