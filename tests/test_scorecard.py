@@ -114,14 +114,9 @@ def test_end_to_end_goals_take_the_fastest_float8_config_and_never_score_one_see
 
 
 def test_the_lightest_config_is_scored_for_memory_with_its_own_speed_beside_it():
-    data = {
-        "runs": [
-            e2e_run("bf16", 100.0, 16.0, 2.0),
-            e2e_run("tensorwise-delayed-one-pass-tied", 138.0, 14.0, 2.0),
-            e2e_run("tensorwise-delayed-one-pass-tied-float8-swiglu-exact", 136.0, 13.2, 2.0),
-        ]
-    }
-    speed, memory, _ = score_e2e(data)
+    fastest = e2e_run("tensorwise-delayed-one-pass-tied", 138.0, 14.0, 2.0)
+    lightest = e2e_run("tensorwise-delayed-one-pass-tied-float8-swiglu-exact", 136.0, 13.2, 2.0)
+    speed, memory, _ = score_e2e({"runs": [e2e_run("bf16", 100.0, 16.0, 2.0), fastest, lightest]})
     assert speed.fp8train == "1.380x (tensorwise-delayed-one-pass-tied, at 0.8750x peak memory)"
     assert memory.fp8train == (
         "0.8250x (tensorwise-delayed-one-pass-tied-float8-swiglu-exact, at 1.360x tokens/s)"
@@ -143,17 +138,17 @@ def test_score_reads_what_the_folder_holds(tmp_path):
     assert [s.what for s in score(tmp_path)][0] == "end to end, tokens/s"
 
 
+def run_scorecard(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.scorecard ARGV` from the repository root, its output captured."""
+    command = [sys.executable, "-m", "benchmarks.scorecard", *argv]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def test_quick_scorecard_runs_every_part_and_writes_the_table(tmp_path):
     """Every part's command as the scorecard builds it runs (small), and the table scores it:
     the commands cannot drift from the benchmarks' options unseen."""
     out = tmp_path / "card"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scorecard", "--out", str(out), "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_scorecard("--out", str(out), "--quick", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for part in ("linear.txt", "linear.csv", "memory.txt", "memory.csv", "e2e.txt", "e2e.json"):
         assert (out / part).exists(), part
@@ -169,13 +164,7 @@ def test_score_only_names_the_records_machine_not_the_scoring_one(tmp_path):
         "runs": [e2e_run("bf16", 10.0, 2.0, 4.0), e2e_run("tensorwise", 14.5, 1.6, 4.0)],
     }
     (tmp_path / "e2e.json").write_text(json.dumps(data))
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scorecard", "--out", str(tmp_path), "--score-only"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_scorecard("--out", str(tmp_path), "--score-only")
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "scorecard.md").read_text()
     assert "- e2e device: NVIDIA H100 80GB HBM3 (sm_90, 79 GiB)" in table
@@ -186,13 +175,7 @@ def test_score_only_names_the_records_machine_not_the_scoring_one(tmp_path):
 def test_scorecard_refuses_a_full_run_without_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the full run would start")
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scorecard", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_scorecard("--out", str(tmp_path))
     assert result.returncode != 0
     assert "no GPU is visible" in result.stderr
 
