@@ -11,10 +11,13 @@ the file it was read from. torchao.float8 columns appear where it was importable
 part's run.
 
 A goal is "yes" or "no" from the figure as measured, one run, no margin for noise: the
-figures beside it say how close. The end-to-end loss row is one seed's, which tests
-nothing about a 0.5% parity (runs of that model scatter by percents): it is shown, never
-scored. --quick runs every part small, on the CPU when there is no GPU: a check that the
-commands and the scoring work, not a measurement.
+figures beside it say how close. The end-to-end tokens/s row scores the fastest float8
+config and the memory row the lightest, each with the other figure beside it: the lightest
+is the opt-in exact float8 SwiGLU, which changes the model's feed-forward module. The
+end-to-end loss row is one seed's, which tests nothing about a 0.5% parity (runs of that
+model scatter by percents): it is shown, never scored. --quick runs every part small, on the
+CPU when there is no GPU: a check that the commands and the scoring work, not a
+measurement.
 """
 
 from __future__ import annotations
