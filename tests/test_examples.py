@@ -499,3 +499,18 @@ def test_master_weights_are_refused_for_fp32_and_not_mixed_in_a_summary(tmp_path
     with pytest.raises(SystemExit, match="summarize the two kinds apart"):
         e2e_report.load_runs([plain, master])
     assert len(e2e_report.load_runs([master])[0]) == 1
+
+
+def test_a_compiled_optimizer_step_updates_as_the_eager_one_and_compiles_once(tmp_path):
+    import torch
+
+    configs = ["--configs", "bf16", "tensorwise-delayed"]
+    eager = run(tmp_path, *configs)
+    # Each run compiles its clip and step once: a changed learning rate is a tensor's new
+    # value, not a recompile.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(tmp_path, *configs, "--compile-optimizer")
+    for before, after in zip(eager, compiled, strict=True):
+        assert after["losses"] == pytest.approx(before["losses"], rel=1e-5)
+        assert after["val_loss"] == pytest.approx(before["val_loss"], rel=1e-5)
+    assert json.loads((tmp_path / "runs.json").read_text())["args"]["compile_optimizer"] is True
