@@ -249,8 +249,9 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 def optimizer_and_update(model: nn.Module, args: argparse.Namespace):  # noqa: ANN201
     """AdamW, and the update of a step: the gradients clipped to norm 1, then the
     optimizer's step. On CUDA AdamW is fused (one kernel over every parameter); with
-    --compile-optimizer the clip and the step are compiled together instead (inductor's
-    kernels over both), the learning rate a tensor so that changing it does not recompile."""
+    --compile-optimizer one torch.compile covers both instead (inductor's kernels; torch's
+    optimizers make the step a graph of its own), the learning rate a tensor so that
+    changing it does not recompile."""
     params = list(model.parameters())
     compiled = args.compile_optimizer
     device = params[0].device
