@@ -74,7 +74,10 @@ class Float8Tensor(torch.Tensor):
         self._data = data
         self._scale = scale
         self._orig_dtype = orig_dtype
-        self._granularity = ScalingGranularity(granularity)
+        # The enum's own call costs eager mode host time on every cast: only a string converts.
+        if type(granularity) is not ScalingGranularity:
+            granularity = ScalingGranularity(granularity)
+        self._granularity = granularity
         return self
 
     def __repr__(self) -> str:

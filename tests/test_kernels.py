@@ -14,6 +14,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import fp8train.cast
+import fp8train.kernels.launch
 from fp8train import Float8Linear, Float8LinearConfig
 from fp8train.cast import _saturated_cast
 from fp8train.config import ScalingGranularity
@@ -393,6 +394,23 @@ def test_cached_launch_respecializes_on_shape_and_alignment(rows):
         )
         reference = _bytes(_saturated_cast(hp, amax_to_scale(hp_amax, E4M3), E4M3))
         assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference)
+
+
+@needs_triton_gpu
+def test_launches_stay_exact_across_clears_of_the_bounded_launcher_cache(monkeypatch):
+    """The launcher cache keys ints by value, one key per shape, and is cleared when full:
+    launches after a clear go through Triton again and cast the same bytes."""
+    monkeypatch.setattr(fp8train.kernels.launch, "MAX_LAUNCHERS", 3)
+    fp8train.kernels.launch._LAUNCHERS.clear()
+    for rows in (16, 17, 32, 16, 48, 17, 64, 32):
+        hp = torch.randn(rows, 64, device="cuda")
+        hp_amax = _tensorwise_amax(hp)
+        _, row, col = cast_2d(
+            hp, hp_amax, E4M3, row_major=True, column_major=True, scale_from_amax=True
+        )
+        reference = _bytes(_saturated_cast(hp, amax_to_scale(hp_amax, E4M3), E4M3))
+        assert torch.equal(_bytes(row), reference) and torch.equal(_bytes(col), reference)
+        assert len(fp8train.kernels.launch._LAUNCHERS) <= 3
 
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:

@@ -6,13 +6,16 @@ the speed of Python. Triton's `JITFunction.run` binds the arguments, computes th
 specialization, looks the compiled kernel up and checks the globals it captured on every call;
 on the H200's host that is tens of microseconds a launch.
 
-`launch` does that work once per specialization of its own: the first call of a key goes through
-Triton (which compiles and launches), later calls of the same key hand the arguments straight to
-the compiled kernel's native launcher (past the driver's Python wrapper where the kernel needs
-no scratch memory). The key holds what Triton 3.6 specializes on: each tensor's dtype
-and whether its address is 16-byte aligned; each int's equality to 1, divisibility by 16 and
-whether it fits 32 bits; the type of each other value; the constexprs, the number of warps and
-the device. Other Triton versions, and any launch hook (a profiler's), take Triton's own path.
+`launch` does that work once per key of its own: the first call of a key goes through Triton
+(which compiles and launches), later calls of the same key hand the arguments straight to the
+compiled kernel's native launcher (past the driver's Python wrapper where the kernel needs no
+scratch memory). The key is finer than what Triton 3.6 specializes on (each tensor's dtype and
+whether its address is 16-byte aligned; each int's equality to 1, divisibility by 16 and
+whether it fits 32 bits): it holds each int itself and each tensor's dtype and address modulo
+16, besides the constexprs, the number of warps and the device, so one key never stands for
+two specializations, and it is cheaper to build. Ints by value make a key per shape: the cache
+is cleared at MAX_LAUNCHERS keys. Other Triton versions, and any launch hook (a profiler's),
+take Triton's own path.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ except ImportError:  # a build of torch without CUDA
 LEAN = triton is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) == (3, 6)
 
 _LAUNCHERS: dict[tuple, Any] = {}
+MAX_LAUNCHERS = 4096
+"""The cache of launchers is cleared when it reaches this many keys."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,14 +56,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _spec(arg: Any) -> Any:
+def _other_key(arg: Any) -> Any:
+    """The key part of an argument that is neither an int nor a tensor: a bool by value (a
+    constexpr-like flag), anything else (a float) by type, as Triton specializes them."""
     kind = type(arg)
-    if kind is int:
-        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
-    if kind is float:
-        return float
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
     return (kind, arg) if kind is bool else kind
 
 
@@ -79,7 +80,8 @@ class _Launcher:
     kernel needs no scratch memory (the kernels here), the driver's Python wrapper, which only
     allocates it, is skipped."""
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, kernel: Any) -> None:
+        self.kernel = kernel  # the key holds its id
         wrapper = compiled.run
         self.lean = wrapper.global_scratch_size == 0 and wrapper.profile_scratch_size == 0
         self.wrapper, self.native = wrapper, wrapper.launch
@@ -114,14 +116,28 @@ def launch(
     # Triton launches on the current device, whatever the tensors' device.
     device = _current_device()
     values = tuple(constexprs.values())
-    key = (kernel, device, num_warps, values, *map(_spec, args))
+    # See the module docstring for the key. The kernel by id, which is cheaper to hash than
+    # the kernel itself: its launcher keeps it alive, so the id is not reused.
+    key = (
+        id(kernel), device, num_warps, values,
+        *[
+            arg if type(arg) is int
+            else (arg.dtype, arg.data_ptr() & 15) if isinstance(arg, torch.Tensor)
+            else _other_key(arg)
+            for arg in args
+        ],
+    )  # fmt: skip
     launcher = _LAUNCHERS.get(key)
     if launcher is None:
         names = kernel.arg_names[len(args) :]
         if list(constexprs) != names:
             raise TypeError(f"launch of {kernel}: constexprs {list(constexprs)}, expected {names}")
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
-        _LAUNCHERS[key] = _Launcher(compiled.result() if hasattr(compiled, "result") else compiled)
+        if len(_LAUNCHERS) >= MAX_LAUNCHERS:  # ints by value: bound the cache under any shapes
+            _LAUNCHERS.clear()
+        _LAUNCHERS[key] = _Launcher(
+            compiled.result() if hasattr(compiled, "result") else compiled, kernel
+        )
         return
     launcher(grid, current_stream(device), (*args, *values))
 
