@@ -413,6 +413,75 @@ def test_launches_stay_exact_across_clears_of_the_bounded_launcher_cache(monkeyp
         assert len(fp8train.kernels.launch._LAUNCHERS) <= 3
 
 
+class _StandInKernel:
+    """What `launch` uses of a Triton JITFunction and of the kernel it compiles, on any
+    machine: `kernel[grid](...)` (Triton's own path, which compiles, launches and returns the
+    compiled kernel) and that kernel's native launcher, each recording its calls."""
+
+    arg_names = ["x_ptr", "n", "flag", "BLOCK"]
+
+    def __init__(self) -> None:
+        self.triton_calls, self.native_calls = [], []
+        native = self.native_calls.append
+        self.compiled = type("Compiled", (), {"function": "function", "packed_metadata": None})()
+        self.compiled.run = type(
+            "Run",
+            (),
+            {
+                "global_scratch_size": 0, "profile_scratch_size": 0,
+                "launch_cooperative_grid": False, "launch_pdl": False,
+                "launch": staticmethod(lambda *a: native(a)),
+            },
+        )()  # fmt: skip
+
+    def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204
+        def run(*args, num_warps: int, **constexprs):  # noqa: ANN002, ANN003, ANN202
+            self.triton_calls.append((grid, args, constexprs, num_warps))
+            return self.compiled
+
+        return run
+
+
+def test_cached_launches_key_on_each_int_and_tensor_alignment_and_stay_bounded(monkeypatch):
+    """The launcher cache's logic, with a stand-in kernel (no GPU, no Triton): the first call
+    of a key goes through Triton, a repeat straight to the native launcher with the arguments
+    and the constexpr values in order; another int, dtype or 16-byte alignment is another key;
+    the cache is cleared when full; constexprs out of the kernel's order raise."""
+    launch = fp8train.kernels.launch
+    monkeypatch.setattr(launch, "LEAN", True)
+    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_stream", lambda device: 7)
+    monkeypatch.setattr(launch, "_LAUNCHERS", {})
+    kernel = _StandInKernel()
+    base = torch.zeros(64)
+    aligned, misaligned = base[:16], base[1:17]  # 4-byte offset: not 16-byte aligned
+
+    def go(x: torch.Tensor, n: int, flag: bool = True) -> tuple[int, int]:
+        launch.launch(kernel, (3,), x, n, flag, BLOCK=32, num_warps=4)
+        return len(kernel.triton_calls), len(kernel.native_calls)
+
+    assert go(aligned, 16) == (1, 0)
+    assert go(aligned, 16) == (1, 1)
+    grid_x, _, _, stream, function, *_, x, n, flag, block = kernel.native_calls[-1]
+    assert (grid_x, stream, function, n, flag, block) == (3, 7, "function", 16, True, 32)
+    assert x is aligned
+    assert go(base[16:32], 16) == (1, 2)  # another aligned tensor of the same dtype: a hit
+    assert go(misaligned, 16) == (2, 2)
+    assert go(aligned, 17) == (3, 2)
+    assert go(aligned, 16, flag=False) == (4, 2)
+    assert go(aligned.double(), 16) == (5, 2)
+    assert go(misaligned, 16) == (5, 3)
+    assert len(launch._LAUNCHERS) == 5
+
+    monkeypatch.setattr(launch, "MAX_LAUNCHERS", 2)
+    for n in range(20, 30):
+        go(aligned, n)
+        assert len(launch._LAUNCHERS) <= 2
+    with pytest.raises(TypeError, match="constexprs"):
+        launch.launch(kernel, (3,), aligned, 99, True, WRONG=1, num_warps=4)
+
+
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
     x = x.detach().clone().requires_grad_()
     out = layer(x)
