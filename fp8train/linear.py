@@ -23,7 +23,7 @@ from fp8train.delayed import (
 from fp8train.gemm import ALIGNMENT, misaligned_message
 from fp8train.matmul import (
     blockwise_tokens_misaligned,
-    check_operand_dtypes,
+    check_operands,
     empty_product,
     linear_mm,
     tokens_misaligned,
@@ -79,7 +79,7 @@ class Float8Linear(nn.Linear):
             # Autocast does not see inside the float8 matmul: apply its dtype here, as it
             # would for nn.Linear.
             input = input.to(torch.get_autocast_dtype(device_type))
-        check_operand_dtypes(input, self.weight, self.fqn)
+        check_operands(input, self.weight, self.fqn)
         if input.numel() == 0:
             output = empty_product(input, self.weight)
             return output if self.bias is None else output + self.bias.to(output.dtype)

@@ -343,10 +343,11 @@ def _operands_of(fqn: str) -> str:
     return f"Float8Linear '{fqn}'" if fqn else "float8 matmul"
 
 
-def check_operand_dtypes(input: torch.Tensor, weight: torch.Tensor, fqn: str = "") -> None:
-    """Raise a TypeError naming the layer if float8 training cannot cast `input` or
-    `weight`. `fqn` is read only to raise: torch.compile would otherwise guard on the string,
-    and every layer of a block compiled once would compile its own copy."""
+def check_operands(input: torch.Tensor, weight: torch.Tensor, fqn: str = "") -> None:
+    """Raise naming the layer if float8 training cannot cast `input` or `weight` (TypeError)
+    or if they do not make `input @ weight.T` (ValueError), before any cast or gemm would fail
+    inside torch. `fqn` is read only to raise: torch.compile would otherwise guard on the
+    string, and every layer of a block compiled once would compile its own copy."""
     if weight.dtype not in HP_DTYPES:
         raise TypeError(
             f"{_operands_of(fqn)}: weight dtype {weight.dtype} is not float32, bfloat16 or "
@@ -358,6 +359,12 @@ def check_operand_dtypes(input: torch.Tensor, weight: torch.Tensor, fqn: str = "
             f"{_operands_of(fqn)}: input dtype {input.dtype} is not float32, bfloat16 or "
             "float16, which float8 training casts from: cast the input to the model's dtype, "
             "or leave this layer out with module_filter_fn"
+        )
+    if weight.dim() != 2 or input.dim() == 0 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{_operands_of(fqn)}: input {tuple(input.shape)} and weight {tuple(weight.shape)} "
+            "do not make input @ weight.T: give a weight (N, K) and an input (..., K), as "
+            "nn.Linear takes them"
         )
 
 
@@ -381,13 +388,7 @@ def float8_matmul(
     layer in error messages.
     """
     config = config_or_default(config)
-    check_operand_dtypes(input, weight, fqn)
-    if weight.dim() != 2 or input.dim() == 0 or input.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"float8_matmul: input {tuple(input.shape)} and weight {tuple(weight.shape)} do not "
-            "make input @ weight.T: give a weight of shape (N, K) and an input of shape "
-            "(..., K), as nn.Linear's"
-        )
+    check_operands(input, weight, fqn)
     if input.numel() == 0:
         return empty_product(input, weight)
     if tokens_misaligned(input, weight, config):

@@ -1,6 +1,7 @@
 """Float8Linear numerics against fp32, on real scaled gemms and in emulation."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -206,7 +207,7 @@ def test_float8_matmul_is_a_bias_free_float8_linear():
     ("x", "weight", "error", "match"),
     [
         (torch.randn(16, 64), torch.randn(64, 48), ValueError, r"\(16, 64\) and weight \(64, 48\)"),
-        (torch.randn(16, 64), torch.randn(48, 64, 1), ValueError, "give a weight of shape"),
+        (torch.randn(16, 64), torch.randn(48, 64, 1), ValueError, r"give a weight \(N, K\)"),
         (torch.randn(16, 64).double(), torch.randn(48, 64), TypeError, "float64 is not"),
     ],
 )
@@ -215,6 +216,15 @@ def test_float8_matmul_refuses_bad_operands_by_name(x, weight, error, match):
 
     with pytest.raises(error, match=match):
         float8_matmul(x, weight)
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (2, 8, 63), ()], ids=["2d", "3d", "0d"])
+def test_an_input_of_the_wrong_width_is_refused_naming_the_layer(shape):
+    layer = Float8Linear(64, 48, fqn="blocks.0.ffn.w1")
+    with pytest.raises(
+        ValueError, match=re.escape(f"'blocks.0.ffn.w1': input {tuple(shape)} and weight (48, 64)")
+    ):
+        layer(torch.randn(shape))
 
 
 def test_float8_matmul_of_no_tokens_is_empty_with_a_zero_weight_gradient():
