@@ -384,6 +384,19 @@ class Float8LinearConfig:
             roles = _kernel_roles(field, getattr(self, field), example, auto)
             object.__setattr__(self, field, roles)
         for field in dataclasses.fields(self):
+            if field.type not in ("bool", "bool | None"):
+                continue
+            value = getattr(self, field.name)
+            if not (isinstance(value, bool) or (value is None and field.type != "bool")):
+                allowed = "True or False" + (", or None" if field.type != "bool" else "")
+                raise TypeError(f"Float8LinearConfig.{field.name}={value!r}: give {allowed}")
+        if not isinstance(self.delayed_scaling_config, DelayedScalingConfig):
+            raise TypeError(
+                f"Float8LinearConfig.delayed_scaling_config={self.delayed_scaling_config!r} is "
+                "not a DelayedScalingConfig: give DelayedScalingConfig(...), for example "
+                "DelayedScalingConfig(history_len=16)"
+            )
+        for field in dataclasses.fields(self):
             kind = {"cast": CastConfig, "gemm": Float8GemmConfig}.get(field.name.split("_")[0])
             if not kind:
                 continue

@@ -58,13 +58,18 @@ def test_bad_enum_string_names_the_choices():
         ({"cast_config_input": "dynamic"}, r"cast_config_input='dynamic' is not a CastConfig"),
         ({"cast_config_weight_for_grad_input": 3}, "is not a CastConfig: give CastConfig"),
         ({"gemm_config_output": None}, r"gemm_config_output=None is not a Float8GemmConfig"),
+        ({"delayed_scaling_config": {}}, r"delayed_scaling_config=\{\} is not a Delayed"),
+        ({"emulate": "yes"}, r"emulate='yes': give True or False$"),
+        ({"recompute_input_cast": 0}, r"recompute_input_cast=0: give True or False, or None"),
     ],
 )
 def test_sub_configs_of_the_wrong_type_are_refused_by_field(kwargs, match):
     with pytest.raises(TypeError, match=match):
         Float8LinearConfig(**kwargs)
-    # The per-gemm overrides may be None: the role's config applies.
+    # The per-gemm overrides may be None: the role's config applies; so may
+    # recompute_input_cast (the partitioner decides).
     assert Float8LinearConfig(cast_config_weight_for_grad_input=None)
+    assert Float8LinearConfig(recompute_input_cast=None)
 
 
 def test_target_dtype_must_be_float8():
