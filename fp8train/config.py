@@ -173,6 +173,30 @@ class CastConfig:
         return dataclasses.replace(self, target_dtype=_DEFAULT_DTYPE[role])
 
 
+_SCALAR_FIELDS = {"bool": (bool, "True or False"), "int": (int, "an int")}
+
+
+def _check_scalar_fields(config: object) -> None:
+    """Raise a TypeError naming the field for a bool or int option given another type (a
+    string, a float: an `if` would take "no" as True, a buffer of 2.5 steps would fail far
+    from the config)."""
+    for field in dataclasses.fields(config):
+        kind, allowed = _SCALAR_FIELDS.get(field.type.removesuffix(" | None"), (None, ""))
+        if kind is None:
+            continue
+        value = getattr(config, field.name)
+        optional = field.type.endswith(" | None")
+        # isinstance(True, int) holds: an int option refuses bools.
+        if (value is None and optional) or (
+            isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+        ):
+            continue
+        raise TypeError(
+            f"{type(config).__name__}.{field.name}={value!r}: give {allowed}"
+            + (", or None" if optional else "")
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class DelayedScalingConfig:
     """How delayed scaling turns its amax history into a scale."""
@@ -191,6 +215,7 @@ class DelayedScalingConfig:
     amax before each cast (two passes)."""
 
     def __post_init__(self) -> None:
+        _check_scalar_fields(self)
         if self.history_len < 1:
             raise ValueError(f"history_len={self.history_len}: keep at least 1 step of amax")
         if self.scale_fn not in ("max", "most_recent"):
@@ -203,6 +228,9 @@ class Float8GemmConfig:
 
     use_fast_accum: bool = False
     """Hopper's fast float8 accumulation: faster, less exact. Usual for the forward only."""
+
+    def __post_init__(self) -> None:
+        _check_scalar_fields(self)
 
 
 class Float8LinearRecipeName(str, enum.Enum):
@@ -383,13 +411,7 @@ class Float8LinearConfig:
         ):
             roles = _kernel_roles(field, getattr(self, field), example, auto)
             object.__setattr__(self, field, roles)
-        for field in dataclasses.fields(self):
-            if field.type not in ("bool", "bool | None"):
-                continue
-            value = getattr(self, field.name)
-            if not (isinstance(value, bool) or (value is None and field.type != "bool")):
-                allowed = "True or False" + (", or None" if field.type != "bool" else "")
-                raise TypeError(f"Float8LinearConfig.{field.name}={value!r}: give {allowed}")
+        _check_scalar_fields(self)
         if not isinstance(self.delayed_scaling_config, DelayedScalingConfig):
             raise TypeError(
                 f"Float8LinearConfig.delayed_scaling_config={self.delayed_scaling_config!r} is "

@@ -5,6 +5,7 @@ import torch
 
 from fp8train import (
     CastConfig,
+    DelayedScalingConfig,
     Float8GemmConfig,
     Float8LinearConfig,
     Gemm,
@@ -70,6 +71,20 @@ def test_sub_configs_of_the_wrong_type_are_refused_by_field(kwargs, match):
     # recompute_input_cast (the partitioner decides).
     assert Float8LinearConfig(cast_config_weight_for_grad_input=None)
     assert Float8LinearConfig(recompute_input_cast=None)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Float8GemmConfig(use_fast_accum="no"), "use_fast_accum='no': give True or"),
+        (lambda: DelayedScalingConfig(compiled_one_pass=1), "compiled_one_pass=1: give True"),
+        (lambda: DelayedScalingConfig(history_len=2.5), "history_len=2.5: give an int$"),
+        (lambda: DelayedScalingConfig(history_len=True), "history_len=True: give an int$"),
+    ],
+)
+def test_sub_config_options_of_the_wrong_type_are_refused_by_field(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
 
 
 def test_target_dtype_must_be_float8():
