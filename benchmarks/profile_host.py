@@ -8,6 +8,12 @@
 
 On a tiny shape the GPU work is negligible, so the time per step is the host's: Python,
 autograd, allocations and kernel launches. A diagnostic, not a benchmark table.
+
+Three layers are timed: nn.Linear, the same matmuls in high precision through a Python
+`torch.autograd.Function` (what any layer written as one costs the host: the autograd
+engine's call into Python for backward, which on a GPU runs on the engine's device thread),
+and Float8Linear, whose three gemms run in such a Function. The middle row is the floor under
+Float8Linear that fp8train's own code does not set.
 """
 
 from __future__ import annotations
@@ -46,6 +52,33 @@ def host_us_per_step(layer: nn.Module, x: torch.Tensor, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e6
 
 
+class _HighPrecisionMatmul(torch.autograd.Function):
+    """`input @ weight.T` and its two gradient gemms, in high precision, as Python."""
+
+    @staticmethod
+    def forward(  # noqa: D102
+        ctx: torch.autograd.function.FunctionCtx, input: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        return input @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205, D102
+        input, weight = ctx.saved_tensors
+        return grad_output @ weight, grad_output.t() @ input
+
+
+class PythonFunctionLinear(nn.Module):
+    """A bias-free linear layer whose matmuls run in `_HighPrecisionMatmul`."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _HighPrecisionMatmul.apply(input, self.weight)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", nargs=3, type=int, default=[256, 256, 256], metavar="MKN")
@@ -71,11 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     config = Float8LinearConfig(
         compiled_cast_kernels=False if kernels is None else (kernels or True)
     )
+    function = PythonFunctionLinear(copy.deepcopy(base))
     fp8 = Float8Linear.from_float(copy.deepcopy(base), config)
     if args.compile:
-        base, fp8 = (torch.compile(layer, fullgraph=True) for layer in (base, fp8))
+        base, function, fp8 = (
+            torch.compile(layer, fullgraph=True) for layer in (base, function, fp8)
+        )
     x = torch.randn(m, k, device=args.device, dtype=dtype, requires_grad=True)
-    for name, layer in ((args.dtype, base), ("float8", fp8)):
+    layers = ((args.dtype, base), (f"{args.dtype} autograd.Function", function), ("float8", fp8))
+    for name, layer in layers:
         print(f"{name}: {host_us_per_step(layer, x, args.steps):.1f} us per fwd+bwd")
     profiler = cProfile.Profile()
     profiler.enable()

@@ -279,7 +279,23 @@ def test_profile_host_prints_both_step_times_and_a_profile(capsys):
                  + ["--steps", "2", "--top", "3"])  # fmt: skip
     out = capsys.readouterr().out
     assert "float32:" in out and "float8:" in out and "us per fwd+bwd" in out
-    assert "function calls" in out
+    assert "float32 autograd.Function:" in out and "function calls" in out
+
+
+def test_profile_hosts_python_function_layer_is_nn_linear_without_bias():
+    from benchmarks.profile_host import PythonFunctionLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 8, bias=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    grads = []
+    for layer in (linear, PythonFunctionLinear(linear)):
+        x.grad = linear.weight.grad = None
+        out = layer(x)
+        (out * torch.arange(8.0)).sum().backward()
+        grads.append((out.detach(), x.grad, linear.weight.grad))
+    for expected, actual in zip(*grads, strict=True):
+        torch.testing.assert_close(actual, expected)
 
 
 def test_profile_host_times_compiled_layers(capsys):
