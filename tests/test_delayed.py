@@ -36,6 +36,25 @@ def delayed_config(**kwargs) -> Float8LinearConfig:
     )
 
 
+def test_without_a_sync_delayed_scaling_trains_as_dynamic_scaling():
+    """Until the first sync a delayed cast scales from its own tensor's amax: a loop that
+    never syncs gets dynamic scaling's outputs and gradients, bit for bit (docs/scaling.md)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(K, K), nn.ReLU(), nn.Linear(K, N))
+    models = [
+        convert_to_float8_training(copy.deepcopy(base), config=config)
+        for config in (delayed_config(), Float8LinearConfig())
+    ]
+    for step in range(3):
+        x = torch.randn(M, K) * (step + 1)  # a new amax each step
+        outputs = [model(x) for model in models]
+        for out in outputs:
+            out.square().sum().backward()
+        assert torch.equal(*outputs)
+        for delayed_param, dynamic_param in zip(*(m.parameters() for m in models), strict=True):
+            assert torch.equal(delayed_param.grad, dynamic_param.grad)
+
+
 def test_invalid_combinations_are_refused():
     with pytest.raises(ValueError, match="keeps one scale per tensor"):
         CastConfig(scaling_type="delayed", scaling_granularity="rowwise")
