@@ -233,6 +233,14 @@ class Float8GemmConfig:
         _check_scalar_fields(self)
 
 
+_SUB_CONFIGS = {
+    "cast": (CastConfig, "scaling_type='dynamic'"),
+    "gemm": (Float8GemmConfig, "use_fast_accum=True"),
+    "delayed": (DelayedScalingConfig, "history_len=16"),
+}
+"""Float8LinearConfig's sub-config fields by the first word of their names, with an example."""
+
+
 class Float8LinearRecipeName(str, enum.Enum):
     """Named configurations; `Float8LinearConfig.from_recipe_name` builds them."""
 
@@ -412,20 +420,13 @@ class Float8LinearConfig:
             roles = _kernel_roles(field, getattr(self, field), example, auto)
             object.__setattr__(self, field, roles)
         _check_scalar_fields(self)
-        if not isinstance(self.delayed_scaling_config, DelayedScalingConfig):
-            raise TypeError(
-                f"Float8LinearConfig.delayed_scaling_config={self.delayed_scaling_config!r} is "
-                "not a DelayedScalingConfig: give DelayedScalingConfig(...), for example "
-                "DelayedScalingConfig(history_len=16)"
-            )
         for field in dataclasses.fields(self):
-            kind = {"cast": CastConfig, "gemm": Float8GemmConfig}.get(field.name.split("_")[0])
+            kind, example = _SUB_CONFIGS.get(field.name.split("_")[0], (None, ""))
             if not kind:
                 continue
             value = getattr(self, field.name)
             optional = "_for_" in field.name  # an override: None takes the role's config
             if not isinstance(value, kind) and not (optional and value is None):
-                example = "scaling_type='dynamic'" if kind is CastConfig else "use_fast_accum=True"
                 raise TypeError(
                     f"Float8LinearConfig.{field.name}={value!r} is not a {kind.__name__}: give "
                     f"{kind.__name__}(...), for example {kind.__name__}({example})"
