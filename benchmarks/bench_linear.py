@@ -368,6 +368,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "included, by their dotted names, values as Python literals: for example "
         "coordinate_descent_tuning=True",
     )
+    parser.add_argument(
+        "--autograd-threads",
+        choices=["on", "off"],
+        default="on",
+        help="torch.autograd.set_multithreading_enabled for every row: on (torch's default) "
+        "runs backward on the engine's thread for the GPU, off on the calling thread; on some "
+        "hosts an eager float8 layer's backward costs twice the host time on the engine's "
+        "thread (docs/speed.md)",
+    )
     parser.add_argument("--csv")
     parser.add_argument("--plot", help="write a PNG of the speedups to this path")
 
@@ -376,7 +385,8 @@ def main(args: argparse.Namespace) -> None:
     from examples.train_llama import inductor_options
 
     options = inductor_options(args.inductor)
-    with torch._inductor.config.patch(options):
+    threads = args.autograd_threads == "on"
+    with torch._inductor.config.patch(options), torch.autograd.set_multithreading_enabled(threads):
         _main(args, options)
 
 
@@ -401,6 +411,8 @@ def _main(args: argparse.Namespace, inductor: dict) -> None:
     print_environment()
     print(f"- cast kernel tile: {fp8train.kernels.cast.TILE}")
     print(f"- torch._inductor.config options: {inductor or 'defaults'}")
+    threads = args.autograd_threads
+    print(f"- autograd multithreading (backward on the engine's device thread): {threads}")
     print(f"- torchao.float8: {'importable' if torchao_float8 else 'not importable'}\n")
     names = [r.value for r in Float8LinearRecipeName] if "all" in args.recipes else args.recipes
     recipes = [(recipe, "dynamic") for recipe in names if "dynamic" in args.scaling]

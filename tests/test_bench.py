@@ -633,3 +633,26 @@ def test_checkout_commands_outside_a_checkout_say_where_they_live(command, monke
     monkeypatch.setattr(cli, "_from_checkout", lambda name: None)
     with pytest.raises(SystemExit, match="run this from the root of a checkout"):
         cli.main([command])
+
+
+def test_bench_linear_runs_backward_on_the_thread_asked_for_and_restores_it(capsys, monkeypatch):
+    """--autograd-threads off holds torch's multithreaded backward off for every row, and
+    on afterwards (torch's default)."""
+    from benchmarks import bench_linear
+
+    seen = []
+    bench_shape = bench_linear.bench_shape
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(torch._C._is_multithreading_enabled())
+        return bench_shape(*args, **kwargs)
+
+    monkeypatch.setattr(bench_linear, "bench_shape", recording)
+    argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "off"]
+    main([*argv, "--autograd-threads", "off"])
+    main(argv)
+    assert seen == [False, True]
+    assert torch._C._is_multithreading_enabled()
+    assert "autograd multithreading (backward on the engine's device thread): off" in (
+        capsys.readouterr().out
+    )
