@@ -5,6 +5,7 @@
     python -m benchmarks.profile_host --device cpu --dtype float32   # the CPU path
     python -m benchmarks.profile_host --compile                      # both layers compiled
     python -m benchmarks.profile_host --compile --compiled-cast-kernels weight grad_output
+    python -m benchmarks.profile_host --autograd-threads on off      # where backward runs
 
 On a tiny shape the GPU work is negligible, so the time per step is the host's: Python,
 autograd, allocations and kernel launches. A diagnostic, not a benchmark table.
@@ -13,7 +14,11 @@ Three layers are timed: nn.Linear, the same matmuls in high precision through a 
 `torch.autograd.Function` (what any layer written as one costs the host: the autograd
 engine's call into Python for backward, which on a GPU runs on the engine's device thread),
 and Float8Linear, whose three gemms run in such a Function. The middle row is the floor under
-Float8Linear that fp8train's own code does not set.
+Float8Linear that fp8train's own code does not set. `--autograd-threads` times the rows with
+torch's multithreaded backward on (its default: CUDA backward on the engine's thread), off
+(backward on the calling thread), or both in turn; on some GPU hosts float8's backward costs
+twice the host time on the engine's thread (benchmarks/results/host_threads_h100_2026-12-07.md).
+The profile is taken with the first setting.
 """
 
 from __future__ import annotations
@@ -96,6 +101,14 @@ def main(argv: list[str] | None = None) -> None:
         help="with --compile: Float8LinearConfig.compiled_cast_kernels, every role if none is "
         "named (input, weight, grad_output)",
     )
+    parser.add_argument(
+        "--autograd-threads",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="torch.autograd.set_multithreading_enabled for the timed rows, each setting in "
+        "turn (on: torch's default)",
+    )
     args = parser.parse_args(argv)
     m, k, n = args.shape
     dtype = getattr(torch, args.dtype)
@@ -112,15 +125,20 @@ def main(argv: list[str] | None = None) -> None:
         )
     x = torch.randn(m, k, device=args.device, dtype=dtype, requires_grad=True)
     layers = ((args.dtype, base), (f"{args.dtype} autograd.Function", function), ("float8", fp8))
-    for name, layer in layers:
-        print(f"{name}: {host_us_per_step(layer, x, args.steps):.1f} us per fwd+bwd")
+    for threads in args.autograd_threads:
+        print(f"autograd threads {threads}:")
+        with torch.autograd.set_multithreading_enabled(threads == "on"):
+            for name, layer in layers:
+                print(f"{name}: {host_us_per_step(layer, x, args.steps):.1f} us per fwd+bwd")
+    threads = args.autograd_threads[0]
     profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.steps):
-        fp8(x).sum().backward()
-    _sync(args.device)
-    profiler.disable()
-    print(f"\nfloat8, {args.steps} steps under cProfile:")
+    with torch.autograd.set_multithreading_enabled(threads == "on"):
+        profiler.enable()
+        for _ in range(args.steps):
+            fp8(x).sum().backward()
+        _sync(args.device)
+        profiler.disable()
+    print(f"\nfloat8, {args.steps} steps under cProfile, autograd threads {threads}:")
     pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(args.top)
 
 

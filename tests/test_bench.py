@@ -656,3 +656,25 @@ def test_bench_linear_runs_backward_on_the_thread_asked_for_and_restores_it(caps
     assert "autograd multithreading (backward on the engine's device thread): off" in (
         capsys.readouterr().out
     )
+
+
+def test_profile_host_times_each_autograd_thread_setting_and_restores_the_default(
+    capsys, monkeypatch
+):
+    from benchmarks import profile_host
+
+    seen = []
+    host_us_per_step = profile_host.host_us_per_step
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(torch._C._is_multithreading_enabled())
+        return host_us_per_step(*args, **kwargs)
+
+    monkeypatch.setattr(profile_host, "host_us_per_step", recording)
+    argv = ["--device", "cpu", "--dtype", "float32", "--shape", "16", "16", "16", "--steps", "2"]
+    profile_host.main([*argv, "--top", "3", "--autograd-threads", "off", "on"])
+    assert seen == [False] * 3 + [True] * 3  # three layers per setting
+    assert torch._C._is_multithreading_enabled()
+    out = capsys.readouterr().out
+    assert out.index("autograd threads off:") < out.index("autograd threads on:")
+    assert "steps under cProfile, autograd threads off:" in out
