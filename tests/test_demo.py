@@ -20,7 +20,13 @@ from fp8train.data import (
     stdlib_sources,
     train_val_split,
 )
-from fp8train.demo import add_demo_arguments, run_demo, saved_activation_bytes, to_float8
+from fp8train.demo import (
+    add_demo_arguments,
+    run_demo,
+    saved_activation_bytes,
+    speed_note,
+    to_float8,
+)
 from fp8train.models import ModelArgs, Transformer
 
 # Small enough that both runs take about a second on two CPU cores. fp32: CPU bf16 is slow.
@@ -219,3 +225,35 @@ def test_counting_saved_activations_counts_each_saved_storage_once() -> None:
     # total weight, one fp32 (the fp32 logits' .float() is the logits themselves).
     expected = 4 * (4 * 16 * 64 * 4) + 4 * 16 * 256 * 4 + 4 * 16 * 8 + 4
     assert counts == {expected}
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_speed_note_on_the_cpu_says_float8_speed_is_a_gpus(faster: bool) -> None:
+    rows = [{"tokens_per_s": 100.0}, {"tokens_per_s": 150.0 if faster else 50.0}]
+    model = Transformer(ModelArgs(dim=32, n_layers=1))
+    note = speed_note(rows, model, torch.device("cpu"), 32, compiled=False)
+    if faster:
+        assert note is None
+    else:
+        assert "the CPU has no fast float8 gemms" in note
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_speed_note_on_a_gpu_counts_the_layers_the_cost_model_expects_to_pay(
+    compiled: bool,
+) -> None:
+    """The cost model's count, over the layers the demo converts (not the lm_head): at 8192
+    tokens an FFN layer of 4096 x 14336 pays in either mode, a 1024 x 1024 layer in neither
+    (fp8train.auto_filter). No GPU needed: the model is on the meta device."""
+    model = nn.ModuleDict(
+        {
+            "w1": nn.Linear(4096, 14336, device="meta"),
+            "wq": nn.Linear(1024, 1024, device="meta"),
+            "lm_head": nn.Linear(4096, 14336, device="meta"),
+        }
+    )
+    rows = [{"tokens_per_s": 100.0}, {"tokens_per_s": 50.0}]
+    note = speed_note(rows, model, torch.device("cuda"), 8192, compiled=compiled)
+    mode = "compiled" if compiled else "eager"
+    assert f"expects {mode} float8 to be faster in 1 of these 2 layers" in note
+    assert ("--compile" in note) is not compiled
