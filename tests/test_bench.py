@@ -176,19 +176,28 @@ def test_bench_linear_times_each_compile_mode_asked_for(capsys):
     ]
 
 
+def _record_on_each_call(monkeypatch, module, name: str, probe) -> list:  # noqa: ANN001
+    """Wrap module.name so that each call first appends probe() (a setting in force at the
+    call) to the returned list."""
+    seen = []
+    function = getattr(module, name)
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(probe())
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recording)
+    return seen
+
+
 def test_bench_linear_holds_inductor_options_for_its_rows_and_restores_them(capsys, monkeypatch):
     from torch._inductor import config
 
     from benchmarks import bench_linear
 
-    seen = []
-    bench_shape = bench_linear.bench_shape
-
-    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        seen.append(config.coordinate_descent_tuning)
-        return bench_shape(*args, **kwargs)
-
-    monkeypatch.setattr(bench_linear, "bench_shape", recording)
+    seen = _record_on_each_call(
+        monkeypatch, bench_linear, "bench_shape", lambda: config.coordinate_descent_tuning
+    )
     argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "both"]
     main([*argv, "--inductor", "coordinate_descent_tuning=True"])
     assert seen == [True, True]
@@ -640,14 +649,9 @@ def test_bench_linear_runs_backward_on_the_thread_asked_for_and_restores_it(caps
     on afterwards (torch's default)."""
     from benchmarks import bench_linear
 
-    seen = []
-    bench_shape = bench_linear.bench_shape
-
-    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        seen.append(torch._C._is_multithreading_enabled())
-        return bench_shape(*args, **kwargs)
-
-    monkeypatch.setattr(bench_linear, "bench_shape", recording)
+    seen = _record_on_each_call(
+        monkeypatch, bench_linear, "bench_shape", torch._C._is_multithreading_enabled
+    )
     argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "off"]
     main([*argv, "--autograd-threads", "off"])
     main(argv)
@@ -663,14 +667,9 @@ def test_profile_host_times_each_autograd_thread_setting_and_restores_the_defaul
 ):
     from benchmarks import profile_host
 
-    seen = []
-    host_us_per_step = profile_host.host_us_per_step
-
-    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        seen.append(torch._C._is_multithreading_enabled())
-        return host_us_per_step(*args, **kwargs)
-
-    monkeypatch.setattr(profile_host, "host_us_per_step", recording)
+    seen = _record_on_each_call(
+        monkeypatch, profile_host, "host_us_per_step", torch._C._is_multithreading_enabled
+    )
     argv = ["--device", "cpu", "--dtype", "float32", "--shape", "16", "16", "16", "--steps", "2"]
     profile_host.main([*argv, "--top", "3", "--autograd-threads", "off", "on"])
     assert seen == [False] * 3 + [True] * 3  # three layers per setting
