@@ -135,11 +135,16 @@ def float8_config(args: argparse.Namespace) -> Float8LinearConfig:
     )
 
 
+def _not_lm_head(module: nn.Module, fqn: str) -> bool:
+    """The demo's module_filter_fn: every linear but the lm_head. The logits gemm is small but
+    its errors hit the loss directly, so float8 recipes leave it in high precision."""
+    return fqn != "lm_head"
+
+
 def to_float8(model: nn.Module, args: argparse.Namespace) -> nn.Module:
-    """Swap every linear but the lm_head: the logits gemm is small but its errors hit the loss
-    directly, so float8 recipes leave it in high precision."""
+    """Swap every linear but the lm_head (_not_lm_head)."""
     return convert_to_float8_training(
-        model, config=float8_config(args), module_filter_fn=lambda mod, fqn: fqn != "lm_head"
+        model, config=float8_config(args), module_filter_fn=_not_lm_head
     )
 
 
@@ -351,8 +356,11 @@ def speed_note(
             "the loss float8 reaches; its speed is a GPU's (README: Speed)."
         )
     keep = auto_filter(tokens, compiled=compiled)
-    layers = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
-    layers = [(fqn, m) for fqn, m in layers if fqn != "lm_head"]  # as to_float8 converts
+    layers = [
+        (fqn, m)
+        for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and _not_lm_head(m, fqn)  # the layers to_float8 converts
+    ]
     faster = sum(keep(m, fqn) for fqn, m in layers)
     note = (
         f"float8 ran slower here: at {tokens} tokens a step, fp8train.auto_filter's cost model "
