@@ -151,35 +151,11 @@ def cast_layouts(
     ):
         return _cast_ops(hp, float8_dtype, layouts, round_scales_to_power_of_2, scale, record_amax)
     if granularity is not ScalingGranularity.BLOCKWISE and eager_kernel(hp):
-        # The kernel itself, not the fp8train custom ops that wrap it for tracing: their
-        # Python dispatch costs ~30 us a call on the host, and a layer casts 4 times a step.
-        row, col = False in layouts, True in layouts
-        inverse = None
-        if granularity is ScalingGranularity.TENSORWISE:
-            # One allocation for the scale, its inverse (what the gemm takes, written by the
-            # cast kernel: no reciprocal launch per gemm) and the amax's partial maxima, 16
-            # bytes apart: cuBLAS refuses a scale that is not 16-byte aligned
-            # (CUBLAS_STATUS_NOT_SUPPORTED).
-            slots = torch.empty(8 + partials_count(hp.device), device=hp.device)
-            new_scale, inverse, partials = slots[0], slots[4], slots[8:]
-        if scale is None and granularity is ScalingGranularity.TENSORWISE:
-            scale, *data = cast_2d(
-                hp, amax_partials_2d(hp, partials), float8_dtype, row_major=row,
-                column_major=col, scale_from_amax=True,
-                round_to_power_of_2=round_scales_to_power_of_2, scale_out=new_scale,
-                inverse_out=inverse,
-            )  # fmt: skip
-        else:
-            if scale is None:
-                scale = amax_to_scale(
-                    amax(hp, granularity, reduce_dim),
-                    float8_dtype,
-                    round_to_power_of_2=round_scales_to_power_of_2,
-                )
-            _, *data = cast_2d(
-                hp, scale, float8_dtype, row_major=row, column_major=col, record_amax=record_amax,
-                inverse_out=inverse,
-            )  # fmt: skip
+        scale, inverse, *data = kernel_cast(
+            hp, float8_dtype, granularity, False in layouts, True in layouts,
+            reduce_dim=reduce_dim, round_scales_to_power_of_2=round_scales_to_power_of_2,
+            scale=scale, record_amax=record_amax,
+        )  # fmt: skip
         casts = [Float8Tensor(data[int(cm)], scale, hp.dtype, granularity) for cm in layouts]
         for fp8 in casts:
             fp8._inv_scale = inverse
@@ -216,6 +192,53 @@ def cast_layouts(
         data = relayout(first) if column_major and first.dim() == 2 else first
         casts.append(Float8Tensor(data, scale, hp.dtype, granularity))
     return casts
+
+
+def kernel_cast(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    granularity: ScalingGranularity,
+    row_major: bool,
+    column_major: bool,
+    *,
+    reduce_dim: int | None = None,
+    round_scales_to_power_of_2: bool = False,
+    scale: torch.Tensor | None = None,
+    record_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """A tensorwise or rowwise cast of `hp` by the Triton kernels (where `eager_kernel(hp)`),
+    as plain tensors: (scale, inverse scale or None, row-major bytes or None, column-major
+    bytes or None). The inverse (what the gemm takes) comes with tensorwise casts only. The
+    kernels are launched directly, not through the fp8train ops that wrap them for tracing:
+    an op's Python dispatch costs ~30 us a call on the host, and a layer casts 4 times a
+    step."""
+    inverse = None
+    if granularity is ScalingGranularity.TENSORWISE:
+        # One allocation for the scale, its inverse (what the gemm takes, written by the
+        # cast kernel: no reciprocal launch per gemm) and the amax's partial maxima, 16
+        # bytes apart: cuBLAS refuses a scale that is not 16-byte aligned
+        # (CUBLAS_STATUS_NOT_SUPPORTED).
+        slots = torch.empty(8 + partials_count(hp.device), device=hp.device)
+        new_scale, inverse, partials = slots[0], slots[4], slots[8:]
+    if scale is None and granularity is ScalingGranularity.TENSORWISE:
+        scale, row, col = cast_2d(
+            hp, amax_partials_2d(hp, partials), float8_dtype, row_major=row_major,
+            column_major=column_major, scale_from_amax=True,
+            round_to_power_of_2=round_scales_to_power_of_2, scale_out=new_scale,
+            inverse_out=inverse,
+        )  # fmt: skip
+        return scale, inverse, row, col
+    if scale is None:
+        scale = amax_to_scale(
+            amax(hp, granularity, reduce_dim),
+            float8_dtype,
+            round_to_power_of_2=round_scales_to_power_of_2,
+        )
+    _, row, col = cast_2d(
+        hp, scale, float8_dtype, row_major=row_major, column_major=column_major,
+        record_amax=record_amax, inverse_out=inverse,
+    )  # fmt: skip
+    return scale, inverse, row, col
 
 
 def _cast_ops(

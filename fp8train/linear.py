@@ -20,6 +20,7 @@ from fp8train.delayed import (
     role_state,
     state_source,
 )
+from fp8train.eager import eager_matmul, eager_plan, takes_eager_path
 from fp8train.gemm import ALIGNMENT, misaligned_message
 from fp8train.matmul import (
     blockwise_tokens_misaligned,
@@ -62,6 +63,8 @@ class Float8Linear(nn.Linear):
         # Set inside fp8train.cast_weights_once: the weight cast for the output and the
         # grad_input gemms, and the weight's version counter then (eager checks it; compiled
         # code must not read it: an int attribute would be guarded on and recompile).
+        # (config, its fp8train.eager plan or None), read again when the config changes.
+        self._eager = (None, None)
         register_delayed_buffers(self, self.config, device=self.weight.device)
         check_float8_compatible(self, self.config, fqn)
         # Always: it points Triton at torch's own ptxas where that is the fix
@@ -82,7 +85,29 @@ class Float8Linear(nn.Linear):
         check_operands(input, self.weight, self.fqn)
         if input.numel() == 0:
             output = empty_product(input, self.weight)
-            return output if self.bias is None else output + self.bias.to(output.dtype)
+        elif self._takes_eager_path(input):
+            output = eager_matmul(input, self.weight, self._eager[1])
+        else:
+            output = self._float8_mm(input)
+        if self.bias is not None:
+            output = output + self.bias.to(output.dtype)
+        return output
+
+    def _takes_eager_path(self, input: torch.Tensor) -> bool:
+        """True where fp8train.eager's fast path runs this call (eager mode only)."""
+        if torch.compiler.is_compiling() or self._observer is not None:
+            return False
+        config, plan = self._eager
+        if config is not self.config:  # the plan of the config the layer has now
+            plan = eager_plan(self.config, self.in_features, self.out_features)
+            self._eager = (self.config, plan)
+        return (
+            plan is not None and self._weight_casts is None and takes_eager_path(input, self.weight)
+        )
+
+    def _float8_mm(self, input: torch.Tensor) -> torch.Tensor:
+        """`input @ weight.T` through fp8train.matmul, the path of every config, eager or
+        compiled."""
         # self.fqn is read only to raise: torch.compile would otherwise guard on the string
         # and recompile forward once per layer.
         if blockwise_tokens_misaligned(input, self.weight, self.config):
@@ -122,17 +147,9 @@ class Float8Linear(nn.Linear):
                 f"{name}: the weight changed inside cast_weights_once, so its float8 cast is "
                 "stale: step the optimizer after the block, not inside it"
             )
-        output = linear_mm(
-            input,
-            self.weight,
-            self.config,
-            observer,
-            state,
-            weight_casts=weight_casts,
+        return linear_mm(
+            input, self.weight, self.config, observer, state, weight_casts=weight_casts
         )
-        if self.bias is not None:
-            output = output + self.bias.to(output.dtype)
-        return output
 
     @classmethod
     def from_float(

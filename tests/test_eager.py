@@ -1,0 +1,211 @@
+"""The eager fast path (fp8train.eager) against the general path, bit for bit, and which calls
+take it. On the CPU the path is switched on for the test (it runs on CUDA by default)."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import fp8train.eager
+from fp8train import (
+    CastConfig,
+    Float8GemmConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    cast_weights_once,
+)
+from fp8train.eager import EagerPlan, eager_plan
+from fp8train.stats import record
+from tests.conftest import DEVICES, all_roles_config, one_pass_delayed_config
+
+FAST_CONFIGS = {
+    "default": Float8LinearConfig(),
+    "keep-float8-weight": Float8LinearConfig(recompute_weight_cast=False),
+    "keep-float8-input": Float8LinearConfig(recompute_input_cast=False),
+    "power-of-2-scales": Float8LinearConfig(round_scales_to_power_of_2=True),
+    "fast-accum-everywhere": Float8LinearConfig(
+        gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True),
+        gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True),
+    ),
+    "e4m3-gradients": Float8LinearConfig(
+        cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn)
+    ),
+}
+
+GENERAL_CONFIGS = {
+    "rowwise": all_roles_config("rowwise"),
+    "delayed": one_pass_delayed_config(),
+    "static-input": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="static", static_scale=2.0)
+    ),
+    "hp-grad-weight": Float8LinearConfig(
+        cast_config_input_for_grad_weight=CastConfig(scaling_type="disabled"),
+        cast_config_grad_output_for_grad_weight=CastConfig(scaling_type="disabled"),
+    ),
+    "hp-everywhere": Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="disabled"),
+        cast_config_weight=CastConfig(scaling_type="disabled"),
+        cast_config_grad_output=CastConfig(scaling_type="disabled"),
+    ),
+    "recompute-input": Float8LinearConfig(recompute_input_cast=True),
+    "emulate": Float8LinearConfig(emulate=True),
+}
+
+
+@pytest.fixture
+def fast_casts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Switches the fast path on for the CPU too, and counts the casts it makes."""
+    monkeypatch.setattr(fp8train.eager, "EAGER_DEVICES", frozenset({"cpu", "cuda"}))
+    calls = []
+    original = fp8train.eager._cast
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fp8train.eager, "_cast", counting)
+    return calls
+
+
+def _fwd_bwd(layer, x, grad, input_grad: bool):  # noqa: ANN001, ANN202
+    x = x.detach().clone().requires_grad_(input_grad)
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    out.backward(grad)
+    grads = [x.grad] + [p.grad for p in layer.parameters()]
+    return [out, *grads]
+
+
+def _assert_identical(fast, general) -> None:  # noqa: ANN001
+    for a, b in zip(fast, general, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.stride() == b.stride()
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
+def _general(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8train.eager, "EAGER_DEVICES", frozenset())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", FAST_CONFIGS.values(), ids=FAST_CONFIGS.keys())
+@pytest.mark.parametrize("lead", [(32,), (2, 24)], ids=["2d", "3d"])
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_fast_path_equals_the_general_path_bit_for_bit(
+    device, config, lead, input_grad, bias, fast_casts, monkeypatch
+):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = Float8Linear(64, 48, bias=bias, config=config, device=device, dtype=dtype)
+    x = torch.randn(*lead, 64, device=device, dtype=dtype) * 3
+    grad = torch.randn(*lead, 48, device=device, dtype=dtype)
+    fast = _fwd_bwd(layer, x, grad, input_grad)
+    assert fast_casts, "the fast path did not run"
+    _general(monkeypatch)
+    _assert_identical(fast, _fwd_bwd(layer, x, grad, input_grad))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_with_a_frozen_weight_gives_only_the_input_gradient(
+    device, fast_casts, monkeypatch
+):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = Float8Linear(32, 64, bias=False, device=device, dtype=dtype)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(16, 32, device=device, dtype=dtype)
+    grad = torch.randn(16, 64, device=device, dtype=dtype)
+    fast = _fwd_bwd(layer, x, grad, input_grad=True)
+    # input and weight cast for the output gemm, grad_output and the weight for grad_input
+    assert len(fast_casts) == 4 and layer.weight.grad is None
+    _general(monkeypatch)
+    _assert_identical(fast, _fwd_bwd(layer, x, grad, input_grad=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_without_grad_casts_for_the_output_gemm_only(device, fast_casts, monkeypatch):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = Float8Linear(64, 32, device=device, dtype=dtype)
+    x = torch.randn(4, 16, 64, device=device, dtype=dtype)
+    with torch.no_grad():
+        fast = layer(x)
+    assert len(fast_casts) == 2 and fast.grad_fn is None
+    _general(monkeypatch)
+    with torch.no_grad():
+        assert torch.equal(fast, layer(x))
+
+
+def test_fast_path_keeps_float8_bytes_for_backward(fast_casts):
+    """What backward keeps: the float8 input and nothing in hp but the weight itself."""
+    layer = Float8Linear(64, 48, bias=False)
+    x = torch.randn(32, 64, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        layer(x)
+    float8 = [t for t in kept if t.dtype == torch.float8_e4m3fn]
+    assert [t.shape for t in float8] == [(32, 64)] and float8[0].t().is_contiguous()
+    hp = [t for t in kept if t.dtype == torch.float32 and t.numel() > 1]
+    assert len(hp) == 1 and hp[0] is layer.weight
+
+
+@pytest.mark.parametrize("config", GENERAL_CONFIGS.values(), ids=GENERAL_CONFIGS.keys())
+def test_configs_beyond_dynamic_tensorwise_take_the_general_path(config, fast_casts):
+    assert eager_plan(config, 64, 48) is None
+    layer = Float8Linear(64, 48, config=config)
+    layer(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert not fast_casts
+
+
+def test_plan_reads_the_config():
+    plan = eager_plan(Float8LinearConfig(recompute_weight_cast=False), 64, 48)
+    assert plan == EagerPlan(
+        input_dtype=torch.float8_e4m3fn,
+        weight_dtype=torch.float8_e4m3fn,
+        grad_output_dtype=torch.float8_e5m2,
+        fast_accum={"output": True, "grad_input": False, "grad_weight": False},
+        keep_float8_weight=True,
+        round_scales_to_power_of_2=False,
+    )
+    # Padded layers (pad_inner_dim) take the general path, which pads.
+    assert eager_plan(Float8LinearConfig(pad_inner_dim=True), 100, 48) is None
+
+
+def test_misaligned_tokens_take_the_general_path_and_its_error(fast_casts):
+    layer = Float8Linear(64, 48, fqn="layers.0.wq")
+    with pytest.raises(ValueError, match="layers.0.wq.*multiple of 16"):
+        layer(torch.randn(10, 64))
+    assert not fast_casts
+
+
+def test_stats_and_cast_weights_once_take_the_general_path(fast_casts):
+    layer = torch.nn.Sequential(Float8Linear(64, 48))
+    x = torch.randn(32, 64, requires_grad=True)
+    with record(layer):
+        layer(x).sum().backward()
+    with cast_weights_once(layer):
+        layer(x).sum().backward()
+    assert not fast_casts
+    layer(x).sum().backward()
+    assert fast_casts
+
+
+def test_a_dispatch_mode_takes_the_general_path(fast_casts):
+    """A dispatch mode (a flop counter, selective checkpointing) must see every op: the
+    general path's casts are torch ops on the CPU."""
+    layer = Float8Linear(64, 48)
+    with FlopCounterMode(display=False) as counter:
+        layer(torch.randn(32, 64))
+    assert not fast_casts and counter.get_total_flops() > 0
+
+
+def test_a_new_config_on_the_layer_is_followed(fast_casts):
+    layer = Float8Linear(64, 48)
+    x = torch.randn(32, 64)
+    layer(x)
+    assert len(fast_casts) == 2
+    layer.config = all_roles_config("rowwise")
+    layer(x)
+    assert len(fast_casts) == 2
+
+
+def test_the_fast_path_runs_by_default_on_cuda_only():
+    assert fp8train.eager.EAGER_DEVICES == frozenset({"cuda"})
