@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fp8train.cast import cast_layouts, eager_kernel, kernel_cast
 from fp8train.config import (
@@ -105,16 +106,48 @@ def takes_eager_path(input: torch.Tensor, weight: torch.Tensor) -> bool:
 def eager_matmul(input: torch.Tensor, weight: torch.Tensor, plan: EagerPlan) -> torch.Tensor:
     """`input @ weight.T` through the float8 gemms, any leading dims, no bias."""
     input_2d = input.reshape(-1, input.shape[-1])
-    if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad):
-        output = _EagerMatmul.apply(input_2d, weight, plan)
+    backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
+    # The grad_weight gemm's column-major copy only where that gemm will run.
+    input_casts = _input_casts(input, input_2d, plan, backward and weight.requires_grad)
+    if backward:
+        output = _EagerMatmul.apply(input_2d, weight, plan, *input_casts)
     else:  # no backward: the output gemm's casts only
-        _, input_inverse, input_row, _ = _cast(input_2d, plan.input_dtype, True, False, plan)
+        input_inverse, input_row, _ = input_casts
         _, weight_inverse, weight_row, _ = _cast(weight, plan.weight_dtype, True, False, plan)
         output = torch._scaled_mm(
             input_row, weight_row.t(), input_inverse, weight_inverse,
             out_dtype=input.dtype, use_fast_accum=plan.fast_accum[Gemm.OUTPUT],
         )  # fmt: skip
     return output.reshape(*input.shape[:-1], output.shape[-1])
+
+
+# The casts of each input tensor made in forward, while the tensor lives.
+_INPUT_CASTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _input_casts(
+    input: torch.Tensor, input_2d: torch.Tensor, plan: EagerPlan, column_major: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inverse scale, row-major bytes, column-major bytes or None) of the input, shared by
+    the layers that read the same input tensor, as the general path shares them
+    (fp8train.policy.shared_input_operands, which says when and why): attention's q, k and v
+    projections cast their input once and keep one float8 copy for backward."""
+    if input.grad_fn is None:  # a leaf the caller may feed again: cast each time
+        return _cast(input_2d, plan.input_dtype, True, column_major, plan)[1:]
+    key = (
+        input._version,
+        input_2d.shape,
+        plan.input_dtype,
+        plan.round_scales_to_power_of_2,
+        column_major,
+    )
+    casts = _INPUT_CASTS.setdefault(input, {})
+    found = casts.get(key)
+    if found is None:
+        for stale in [k for k in casts if k[0] != input._version]:
+            del casts[stale]
+        found = casts[key] = _cast(input_2d, plan.input_dtype, True, column_major, plan)[1:]
+    return found
 
 
 def _cast(
@@ -134,9 +167,10 @@ def _cast(
             round_scales_to_power_of_2=pow2, scale=scale,
         )  # fmt: skip
     layouts = (False,) * row_major + (True,) * column_major
-    casts = cast_layouts(
-        hp, float8_dtype, _TENSORWISE, layouts, round_scales_to_power_of_2=pow2, scale=scale
-    )
+    with torch.no_grad():  # gradients reach hp through the gemms' backward
+        casts = cast_layouts(
+            hp, float8_dtype, _TENSORWISE, layouts, round_scales_to_power_of_2=pow2, scale=scale
+        )
     data = {column: fp8._data for column, fp8 in zip(layouts, casts, strict=True)}
     row = data.get(False)
     scale = casts[0]._scale
@@ -154,12 +188,12 @@ class _EagerMatmul(torch.autograd.Function):
         input: torch.Tensor,
         weight: torch.Tensor,
         plan: EagerPlan,
+        input_inverse: torch.Tensor,
+        input_row: torch.Tensor,
+        input_col: torch.Tensor | None,
     ) -> torch.Tensor:
-        need_grad_input, need_grad_weight = ctx.needs_input_grad[:2]
+        need_grad_input = ctx.needs_input_grad[0]
         keep_weight = plan.keep_float8_weight and need_grad_input
-        _, input_inverse, input_row, input_col = _cast(
-            input, plan.input_dtype, True, need_grad_weight, plan
-        )
         weight_scale, weight_inverse, weight_row, weight_col = _cast(
             weight, plan.weight_dtype, True, keep_weight, plan
         )
@@ -200,4 +234,4 @@ class _EagerMatmul(torch.autograd.Function):
                 grad_col.t(), input_col, grad_inverse, input_inverse,
                 out_dtype=ctx.dtypes[1], use_fast_accum=plan.fast_accum[Gemm.GRAD_WEIGHT],
             )  # fmt: skip
-        return grad_input, grad_weight, None
+        return grad_input, grad_weight, None, None, None, None

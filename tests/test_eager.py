@@ -209,3 +209,45 @@ def test_a_new_config_on_the_layer_is_followed(fast_casts):
 
 def test_the_fast_path_runs_by_default_on_cuda_only():
     assert fp8train.eager.EAGER_DEVICES == frozenset({"cuda"})
+
+
+class _SharedInput(torch.nn.Module):
+    """Three projections of one normed input, as attention's q, k and v."""
+
+    def __init__(self, config: Float8LinearConfig) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv = (
+            Float8Linear(64, 32, bias=False, config=config) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.rms_norm(x, (64,))
+        return self.wq(h) * self.wk(h) + self.wv(h)
+
+
+@pytest.mark.parametrize("config", FAST_CONFIGS.values(), ids=FAST_CONFIGS.keys())
+def test_layers_reading_one_input_cast_it_once_as_the_general_path_does(
+    config, fast_casts, monkeypatch
+):
+    model = _SharedInput(config)
+    x = torch.randn(2, 16, 64) * 2
+    grad = torch.randn(2, 16, 32)
+    fast = _fwd_bwd(model, x, grad, input_grad=True)
+    # forward: the input once, three weights; backward: three grad_outputs (and three
+    # weight recasts unless the float8 weight is kept)
+    recasts = 0 if config.recompute_weight_cast is False else 3
+    assert len(fast_casts) == 1 + 3 + 3 + recasts
+    _general(monkeypatch)
+    _assert_identical(fast, _fwd_bwd(model, x, grad, input_grad=True))
+
+
+def test_an_input_changed_in_place_is_cast_again(fast_casts):
+    first, second = Float8Linear(64, 32), Float8Linear(64, 32)
+    h = torch.randn(16, 64, requires_grad=True) * 1  # made in forward: it has a grad_fn
+    with torch.no_grad():
+        first(h)
+        h.mul_(2)
+        changed = second(h)
+    assert len(fast_casts) == 4
+    with torch.no_grad():
+        assert torch.equal(changed, Float8Linear.forward(second, h.clone()))
