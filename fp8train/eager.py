@@ -13,11 +13,10 @@ Shapes: input (M, K), weight (N, K), grad_output (M, N); M = tokens.
 Eager float8 is bound by the host on thin layers: the GPU finishes the casts and gemms of
 attention's projections sooner than Python issues them. The general path (fp8train.matmul
 with fp8train.policy) serves every config, compiled or not, and on the way builds Float8Tensors,
-looks up each cast's config and asks the save policy; a layer's fwd+bwd there costs the host
-about 0.9 ms on an H100 host when backward runs on the autograd engine's thread (torch's
-default for CUDA), twice what the same Python costs on the calling thread. This path makes the
-same casts with the same kernels and the same gemms, bit for bit (tests/test_eager.py), from
-plain tensors, in a third of that host time (benchmarks/results/eager_path_h100_2026-12-07.md).
+looks up each cast's config and asks the save policy. This path makes the same casts with the
+same kernels and the same gemms, bit for bit (tests/test_eager.py), from plain tensors: on an
+H100 host a small layer's fwd+bwd took 24-39% less host time than on the general path, and a
+model of small layers 14% less step time (benchmarks/results/eager_path_h100_2026-12-07.md).
 
 It runs where it can only agree with the general path: eager mode (not traced), CUDA, a plain
 input and weight (no DTensor, no Float8Tensor from a float8 all-gather), no dispatch mode

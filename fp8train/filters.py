@@ -17,8 +17,11 @@ The constants are fitted to the H200 measurements of benchmarks/results/
 (linear_h200_2026-12-03.md, torch 2.11, bf16): the three bf16 gemms of the LLaMA-70B shapes
 run at 630-680 TFLOP/s, the float8 gemms at ~1500, the casts' traffic at ~1.6 TB/s, and an eager
 Float8Linear costs ~1.9 ms of host time per fwd+bwd (which is why eager float8 loses on thin
-layers and on small models: the demo's 56 layers take ~110 ms a step). On other GPUs the
-constants are a guess: pass your own, or measure with `python -m fp8train bench-linear`.
+layers and on small models: the demo's 56 layers take ~110 ms a step). That host time was
+measured before the eager fast path (fp8train.eager), which takes a quarter to a third of it
+away on an H100 (benchmarks/results/eager_path_h100_2026-12-07.md): for eager models the
+filter may now leave out layers that would pay. On other GPUs the constants are a guess: pass
+your own, or measure with `python -m fp8train bench-linear`.
 """
 
 from __future__ import annotations
