@@ -251,3 +251,30 @@ def test_an_input_changed_in_place_is_cast_again(fast_casts):
     assert len(fast_casts) == 4
     with torch.no_grad():
         assert torch.equal(changed, Float8Linear.forward(second, h.clone()))
+
+
+def test_fast_path_under_activation_checkpointing_equals_the_general_path(fast_casts, monkeypatch):
+    """Eager (non-reentrant) checkpointing reruns forward in backward: the reruns cast again,
+    and what they keep matches what forward kept."""
+    model = _SharedInput(Float8LinearConfig())
+    x = torch.randn(2, 16, 64)
+    grad = torch.randn(2, 16, 32)
+
+    def run():  # noqa: ANN202
+        inp = x.clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        out = torch.utils.checkpoint.checkpoint(model, inp, use_reentrant=False)
+        out.backward(grad)
+        return [out, inp.grad, *(p.grad for p in model.parameters())]
+
+    fast = run()
+    assert len(fast_casts) == 2 * 4 + 3 + 3  # forward twice (the rerun), then backward
+    _general(monkeypatch)
+    _assert_identical(fast, run())
+
+
+def test_compiled_layers_take_the_general_path_without_graph_breaks(fast_casts):
+    layer = Float8Linear(64, 48)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    compiled(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert not fast_casts
