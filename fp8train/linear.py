@@ -63,6 +63,7 @@ class Float8Linear(nn.Linear):
         # Set inside fp8train.cast_weights_once: the weight cast for the output and the
         # grad_input gemms, and the weight's version counter then (eager checks it; compiled
         # code must not read it: an int attribute would be guarded on and recompile).
+
         # (config, its fp8train.eager plan or None), read again when the config changes.
         self._eager = (None, None)
         register_delayed_buffers(self, self.config, device=self.weight.device)
