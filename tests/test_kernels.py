@@ -5,6 +5,7 @@ two, so it cannot check bytes); on the CPU the custom op runs the torch path, ch
 opcheck.
 """
 
+import contextlib
 import copy
 import re
 
@@ -14,6 +15,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import fp8train.cast
+import fp8train.eager
 import fp8train.kernels.launch
 from fp8train import Float8Linear, Float8LinearConfig
 from fp8train.cast import _saturated_cast
@@ -482,6 +484,44 @@ def test_cached_launches_key_on_each_int_and_tensor_alignment_and_stay_bounded(m
         launch.launch(kernel, (3,), aligned, 99, True, WRONG=1, num_warps=4)
 
 
+class _OnSecondGpu(torch.Tensor):
+    """A CPU tensor that reports cuda:1 as its device, for the launcher's device logic."""
+
+    def get_device(self) -> int:
+        return 1
+
+
+def test_a_launch_for_tensors_on_another_gpu_runs_on_their_device(monkeypatch):
+    """Triton launches on the current device: a layer on another GPU of the process (a model
+    spread over several) has its kernels launched under a guard for its own device, on that
+    device's stream, from a launcher cached for that device."""
+    launch = fp8train.kernels.launch
+    monkeypatch.setattr(launch, "LEAN", True)
+    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    streams, guards, inside = [], [], []
+    monkeypatch.setattr(launch, "current_stream", lambda device: streams.append(device) or 7)
+    monkeypatch.setattr(launch, "_LAUNCHERS", {})
+
+    @contextlib.contextmanager
+    def device_guard(index: int):  # noqa: ANN202
+        guards.append(index)
+        inside.append(True)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", device_guard)
+    kernel = _StandInKernel()
+    kernel.compiled.run.launch = staticmethod(lambda *a: kernel.native_calls.append(bool(inside)))
+    on_gpu1 = torch.zeros(16).as_subclass(_OnSecondGpu)
+    for _ in range(2):  # through Triton, then the cached native launcher
+        launch.launch(kernel, (3,), on_gpu1, 16, True, BLOCK=32, num_warps=4)
+    assert guards == [1, 1] and streams == [1] and kernel.native_calls == [True]
+    assert len(kernel.triton_calls) == 1 and [key[1] for key in launch._LAUNCHERS] == [1]
+    launch.launch(kernel, (3,), torch.zeros(16), 16, True, BLOCK=32, num_warps=4)
+    assert guards == [1, 1]  # a tensor on the current device (here the CPU stand-in): no guard
+
+
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
     x = x.detach().clone().requires_grad_()
     out = layer(x)
@@ -498,7 +538,8 @@ def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> list[torc
 )
 def test_eager_layer_with_the_kernels_matches_the_torch_path(hp_dtype, policy, monkeypatch):
     """Eager mode's direct kernel calls (amax kernel, cast writing its scale and inverse, the
-    recast that reuses forward's scale) give the same output and gradients, bit for bit, as
+    recast that reuses forward's scale; through the eager fast path where the config takes
+    it) give the same output and gradients, bit for bit, as
     the path of compiled code run eagerly (torch's amax, the reciprocal per gemm, a recast
     with its own amax)."""
     base = nn.Linear(256, 320, device="cuda", dtype=hp_dtype)
@@ -507,6 +548,8 @@ def test_eager_layer_with_the_kernels_matches_the_torch_path(hp_dtype, policy, m
     grad = torch.randn(4, 48, 320, device="cuda", dtype=hp_dtype)
     with_kernels = _fwd_bwd(copy.deepcopy(layer), x.view(-1, 256), grad.view(-1, 320))
     monkeypatch.setattr(fp8train.cast, "eager_kernel", lambda hp: False)
+    # The general path (the eager fast path, fp8train.eager, calls the kernels directly).
+    monkeypatch.setattr(fp8train.eager, "EAGER_DEVICES", frozenset())
     torch_path = _fwd_bwd(copy.deepcopy(layer), x.view(-1, 256), grad.view(-1, 320))
     names = ("output", "grad_input", "grad_weight")
     for name, a, b in zip(names, with_kernels, torch_path, strict=True):

@@ -105,16 +105,38 @@ class _Launcher:
 def launch(
     kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **constexprs: Any
 ) -> None:
-    """`kernel[grid](*args, **constexprs, num_warps=num_warps)` on the current CUDA stream.
+    """`kernel[grid](*args, **constexprs, num_warps=num_warps)` on the current CUDA stream of
+    the device of `args[0]` (a tensor).
 
     `args`: the kernel's runtime parameters in order; `constexprs`: the rest, by name, which
     must be the kernel's trailing parameters, in order.
     """
+    first = args[0]
+    device = first.get_device() if isinstance(first, torch.Tensor) else -1
+    if device < 0:
+        device = _current_device()
+    elif device != _current_device():
+        # Triton launches on the current device, whatever the tensors' device: a layer on
+        # another GPU than the current one (a model spread over the GPUs of one process)
+        # would hand that device's addresses to a kernel running on this one.
+        with torch.cuda.device(device):
+            _launch(kernel, grid, args, num_warps, constexprs, device)
+        return
+    _launch(kernel, grid, args, num_warps, constexprs, device)
+
+
+def _launch(
+    kernel: Any,
+    grid: tuple[int, ...],
+    args: tuple,
+    num_warps: int,
+    constexprs: dict[str, Any],
+    device: int,
+) -> None:
+    """`launch` on `device`, the current device."""
     if not LEAN or _hooked():
         kernel[grid](*args, **constexprs, num_warps=num_warps)
         return
-    # Triton launches on the current device, whatever the tensors' device.
-    device = _current_device()
     values = tuple(constexprs.values())
     # See the module docstring for the key. The kernel by id, which is cheaper to hash than
     # the kernel itself: its launcher keeps it alive, so the id is not reused.
