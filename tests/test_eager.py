@@ -278,3 +278,16 @@ def test_compiled_layers_take_the_general_path_without_graph_breaks(fast_casts):
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     compiled(torch.randn(32, 64, requires_grad=True)).sum().backward()
     assert not fast_casts
+
+
+def test_fast_path_under_inference_mode_equals_the_general_path(fast_casts, monkeypatch):
+    model = _SharedInput(Float8LinearConfig())
+    x = torch.randn(2, 16, 64)
+    with torch.inference_mode():
+        fast = model(x)
+    # Inference tensors have no grad_fn: each layer casts the input itself, as the general
+    # path does (and no version counter is read).
+    assert len(fast_casts) == 6
+    _general(monkeypatch)
+    with torch.inference_mode():
+        assert torch.equal(fast, model(x))
