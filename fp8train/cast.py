@@ -28,7 +28,7 @@ from fp8train.kernels import (
     amax_partials_2d,
     cast_2d,
     column_major_2d,
-    partials_count,
+    kernel_cast,
 )
 from fp8train.scaling import amax, amax_to_scale, blocks, raise_amax
 from fp8train.tensor import Float8Tensor
@@ -192,53 +192,6 @@ def cast_layouts(
         data = relayout(first) if column_major and first.dim() == 2 else first
         casts.append(Float8Tensor(data, scale, hp.dtype, granularity))
     return casts
-
-
-def kernel_cast(
-    hp: torch.Tensor,
-    float8_dtype: torch.dtype,
-    granularity: ScalingGranularity,
-    row_major: bool,
-    column_major: bool,
-    *,
-    reduce_dim: int | None = None,
-    round_scales_to_power_of_2: bool = False,
-    scale: torch.Tensor | None = None,
-    record_amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """A tensorwise or rowwise cast of `hp` by the Triton kernels (where `eager_kernel(hp)`),
-    as plain tensors: (scale, inverse scale or None, row-major bytes or None, column-major
-    bytes or None). The inverse (what the gemm takes) comes with tensorwise casts only. The
-    kernels are launched directly, not through the fp8train ops that wrap them for tracing:
-    an op's Python dispatch costs ~30 us a call on the host, and a layer casts 4 times a
-    step."""
-    inverse = None
-    if granularity is ScalingGranularity.TENSORWISE:
-        # One allocation for the scale, its inverse (what the gemm takes, written by the
-        # cast kernel: no reciprocal launch per gemm) and the amax's partial maxima, 16
-        # bytes apart: cuBLAS refuses a scale that is not 16-byte aligned
-        # (CUBLAS_STATUS_NOT_SUPPORTED).
-        slots = torch.empty(8 + partials_count(hp.device), device=hp.device)
-        new_scale, inverse, partials = slots[0], slots[4], slots[8:]
-    if scale is None and granularity is ScalingGranularity.TENSORWISE:
-        scale, row, col = cast_2d(
-            hp, amax_partials_2d(hp, partials), float8_dtype, row_major=row_major,
-            column_major=column_major, scale_from_amax=True,
-            round_to_power_of_2=round_scales_to_power_of_2, scale_out=new_scale,
-            inverse_out=inverse,
-        )  # fmt: skip
-        return scale, inverse, row, col
-    if scale is None:
-        scale = amax_to_scale(
-            amax(hp, granularity, reduce_dim),
-            float8_dtype,
-            round_to_power_of_2=round_scales_to_power_of_2,
-        )
-    _, row, col = cast_2d(
-        hp, scale, float8_dtype, row_major=row_major, column_major=column_major,
-        record_amax=record_amax, inverse_out=inverse,
-    )  # fmt: skip
-    return scale, inverse, row, col
 
 
 def _cast_ops(

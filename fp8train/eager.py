@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fp8train.cast import cast_layouts, eager_kernel, kernel_cast
+from fp8train.cast import cast_layouts, eager_kernel
 from fp8train.config import (
     ROLE_GEMMS,
     Float8LinearConfig,
@@ -43,6 +43,7 @@ from fp8train.config import (
     ScalingType,
 )
 from fp8train.gemm import ALIGNMENT
+from fp8train.kernels import kernel_cast
 
 EAGER_DEVICES = frozenset({"cuda"})
 """The device types the fast path takes. Elsewhere the host's time is not what bounds a step;

@@ -7,7 +7,14 @@ with the neighbouring ops, unless Float8LinearConfig.compiled_cast_kernels asks 
 """
 
 from fp8train.kernels.amax import amax_partials_2d, partials_count
-from fp8train.kernels.cast import HAS_TRITON, cast_2d, empty_2d, empty_scalar, quantize_2d
+from fp8train.kernels.cast import (
+    HAS_TRITON,
+    cast_2d,
+    empty_2d,
+    empty_scalar,
+    kernel_cast,
+    quantize_2d,
+)
 from fp8train.kernels.transpose import column_major_2d
 
 __all__ = [
@@ -17,6 +24,7 @@ __all__ = [
     "column_major_2d",
     "empty_2d",
     "empty_scalar",
+    "kernel_cast",
     "partials_count",
     "quantize_2d",
 ]

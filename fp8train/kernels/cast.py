@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from fp8train.config import ScalingGranularity
+from fp8train.kernels.amax import amax_partials_2d, partials_count
 from fp8train.kernels.launch import HAS_TRITON, cdiv, launch, tl, traced_launch, triton
-from fp8train.scaling import EPS, amax_to_scale
+from fp8train.scaling import EPS, amax, amax_to_scale
 
 if HAS_TRITON:
 
@@ -210,6 +212,53 @@ def cast_2d(
         num_warps=num_warps,
     )  # fmt: skip
     return (scale_out if scale_from_amax else scale), row, col
+
+
+def kernel_cast(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    granularity: ScalingGranularity,
+    row_major: bool,
+    column_major: bool,
+    *,
+    reduce_dim: int | None = None,
+    round_scales_to_power_of_2: bool = False,
+    scale: torch.Tensor | None = None,
+    record_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """A tensorwise or rowwise cast of a 2-D CUDA tensor `hp` by the Triton kernels, as plain
+    tensors: (scale, inverse scale or None, row-major bytes or None, column-major bytes or
+    None), for eager mode (fp8train.cast.eager_kernel says where). The inverse (what the gemm
+    takes) comes with tensorwise casts only. The kernels are launched directly, not through
+    the fp8train ops that wrap them for tracing: an op's Python dispatch costs ~30 us a call
+    on the host, and a layer casts 4 times a step."""
+    inverse = None
+    if granularity is ScalingGranularity.TENSORWISE:
+        # One allocation for the scale, its inverse (what the gemm takes, written by the
+        # cast kernel: no reciprocal launch per gemm) and the amax's partial maxima, 16
+        # bytes apart: cuBLAS refuses a scale that is not 16-byte aligned
+        # (CUBLAS_STATUS_NOT_SUPPORTED).
+        slots = torch.empty(8 + partials_count(hp.device), device=hp.device)
+        new_scale, inverse, partials = slots[0], slots[4], slots[8:]
+    if scale is None and granularity is ScalingGranularity.TENSORWISE:
+        scale, row, col = cast_2d(
+            hp, amax_partials_2d(hp, partials), float8_dtype, row_major=row_major,
+            column_major=column_major, scale_from_amax=True,
+            round_to_power_of_2=round_scales_to_power_of_2, scale_out=new_scale,
+            inverse_out=inverse,
+        )  # fmt: skip
+        return scale, inverse, row, col
+    if scale is None:
+        scale = amax_to_scale(
+            amax(hp, granularity, reduce_dim),
+            float8_dtype,
+            round_to_power_of_2=round_scales_to_power_of_2,
+        )
+    _, row, col = cast_2d(
+        hp, scale, float8_dtype, row_major=row_major, column_major=column_major,
+        record_amax=record_amax, inverse_out=inverse,
+    )  # fmt: skip
+    return scale, inverse, row, col
 
 
 def quantize_2d(
