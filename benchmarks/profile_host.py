@@ -14,7 +14,10 @@ Three layers are timed: nn.Linear, the same matmuls in high precision through a 
 `torch.autograd.Function` (what any layer written as one costs the host: the autograd
 engine's call into Python for backward, which on a GPU runs on the engine's device thread),
 and Float8Linear, whose three gemms run in such a Function. The middle row is the floor under
-Float8Linear that fp8train's own code does not set. `--autograd-threads` times the rows with
+Float8Linear that fp8train's own code does not set. In eager mode a fourth row times the same
+Float8Linear held to the general path (fp8train.matmul), where the float8 row takes the eager
+fast path (fp8train.eager: CUDA, dynamic tensorwise): the fast path's gain on this host, in
+the same process. `--autograd-threads` times the rows with
 torch's multithreaded backward on (its default: CUDA backward on the engine's thread), off
 (backward on the calling thread), or both in turn; on some GPU hosts float8's backward costs
 twice the host time on the engine's thread (benchmarks/results/host_threads_h100_2026-12-07.md).
@@ -84,6 +87,14 @@ class PythonFunctionLinear(nn.Module):
         return _HighPrecisionMatmul.apply(input, self.weight)
 
 
+def general_path(layer: Float8Linear) -> Float8Linear:
+    """A copy of `layer` (sharing its weight) that never takes the eager fast path: the plan
+    it caches for its config says none (Float8Linear._takes_eager_path)."""
+    general = copy.copy(layer)
+    general._eager = (general.config, None)
+    return general
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", nargs=3, type=int, default=[256, 256, 256], metavar="MKN")
@@ -124,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
             torch.compile(layer, fullgraph=True) for layer in (base, function, fp8)
         )
     x = torch.randn(m, k, device=args.device, dtype=dtype, requires_grad=True)
-    layers = ((args.dtype, base), (f"{args.dtype} autograd.Function", function), ("float8", fp8))
+    layers = [(args.dtype, base), (f"{args.dtype} autograd.Function", function), ("float8", fp8)]
+    if not args.compile:
+        layers.append(("float8 (general path)", general_path(fp8)))
     for threads in args.autograd_threads:
         print(f"autograd threads {threads}:")
         with torch.autograd.set_multithreading_enabled(threads == "on"):

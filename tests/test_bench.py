@@ -289,6 +289,27 @@ def test_profile_host_prints_both_step_times_and_a_profile(capsys):
     out = capsys.readouterr().out
     assert "float32:" in out and "float8:" in out and "us per fwd+bwd" in out
     assert "float32 autograd.Function:" in out and "function calls" in out
+    assert "float8 (general path):" in out
+
+
+def test_profile_hosts_general_path_row_keeps_the_layer_off_the_eager_fast_path(monkeypatch):
+    import fp8train.eager
+    from benchmarks.profile_host import general_path
+    from fp8train import Float8Linear
+
+    monkeypatch.setattr(fp8train.eager, "EAGER_DEVICES", frozenset({"cpu"}))
+    casts = []
+    original = fp8train.eager._cast
+    monkeypatch.setattr(
+        fp8train.eager, "_cast", lambda *a, **k: casts.append(1) or original(*a, **k)
+    )
+    layer = Float8Linear(16, 16, bias=False)
+    x = torch.randn(16, 16, requires_grad=True)
+    general = general_path(layer)
+    general(x).sum().backward()
+    assert not casts and general.weight is layer.weight
+    layer(x).sum().backward()
+    assert casts  # the layer itself still takes it
 
 
 def test_profile_hosts_python_function_layer_is_nn_linear_without_bias():
@@ -672,7 +693,7 @@ def test_profile_host_times_each_autograd_thread_setting_and_restores_the_defaul
     )
     argv = ["--device", "cpu", "--dtype", "float32", "--shape", "16", "16", "16", "--steps", "2"]
     profile_host.main([*argv, "--top", "3", "--autograd-threads", "off", "on"])
-    assert seen == [False] * 3 + [True] * 3  # three layers per setting
+    assert seen == [False] * 4 + [True] * 4  # four layers per setting (eager)
     assert torch._C._is_multithreading_enabled()
     out = capsys.readouterr().out
     assert out.index("autograd threads off:") < out.index("autograd threads on:")
