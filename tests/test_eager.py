@@ -291,3 +291,23 @@ def test_fast_path_under_inference_mode_equals_the_general_path(fast_casts, monk
     _general(monkeypatch)
     with torch.inference_mode():
         assert torch.equal(fast, model(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_takes_non_contiguous_inputs_and_gradients(device, fast_casts, monkeypatch):
+    """A transposed input and the expanded gradient of `.sum()` (stride 0)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = Float8Linear(64, 48, device=device, dtype=dtype)
+    x = torch.randn(64, 32, device=device, dtype=dtype).t()
+
+    def run():  # noqa: ANN202
+        inp = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        out = layer(inp)
+        out.sum().backward()
+        return [out, inp.grad, layer.weight.grad, layer.bias.grad]
+
+    fast = run()
+    assert fast_casts and not x.is_contiguous()
+    _general(monkeypatch)
+    _assert_identical(fast, run())
