@@ -17,6 +17,10 @@ gemms' 6*M*K*N FLOPs over fp8_time_sec, as a share of --fp8-peak-tflops), and to
 / torchao_speedup / vs_torchao / torchao_sqnr_db. With --plot, a PNG of the speedups by shape
 (needs matplotlib).
 
+Eager rows whose layer takes the eager fast path (fp8train.eager: CUDA, dynamic tensorwise)
+also time the same layer held to the general path in the same rounds:
+fp8_general_path_time_sec, and fast_path_gain (that time over fp8_time_sec).
+
 fp8_device_speedup and torchao_device_speedup compare the layers' work on the device alone
 (the kernels' CUDA time from torch.profiler; on a CPU, the operators' own time). A layer
 timed by itself can be host-bound: small layers, and compiled ones, whose wrapper costs
@@ -50,10 +54,12 @@ from benchmarks.utils import (
     delayed_config,
     device_time_s,
     fp8_peak_tflops,
+    general_path,
     inductor_pass_as,
     markdown_table,
     median_time_s,
     print_environment,
+    takes_eager_path,
     with_pass_variant,
     write_csv,
 )
@@ -202,6 +208,10 @@ def bench_shape(
     if compiled:
         torch._dynamo.reset()
         layers = {key: torch.compile(layer, mode=compile_mode) for key, layer in layers.items()}
+    elif takes_eager_path(fp8_layer, device):
+        # The same layer held to the general path, timed in the same rounds: the fast path's
+        # gain on this host (hosts differ from run to run by more than it).
+        layers["fp8_general"] = general_path(fp8_layer)
     x = torch.randn(m, k, device=device, dtype=ref_dtype, requires_grad=True)
     grad = torch.randn(m, n, device=device, dtype=ref_dtype)
     times: dict[str, list[float]] = {key: [] for key in layers}
@@ -222,6 +232,7 @@ def bench_shape(
         for key, layer in layers.items():
             times[key].append(median_time_s(step(key, layer), device))
     t = {key: statistics.median(values) for key, values in times.items()}
+    general = layers.pop("fp8_general", None)
     busy = {key: device_time_s(step(key, layer), device) for key, layer in layers.items()}
     # A guard on the timed code itself: each float8 output against the reference's (dB).
     with torch.no_grad():
@@ -245,6 +256,11 @@ def bench_shape(
         "fp8_device_speedup": busy["ref"] / busy["fp8"],
         "auto_filter_device_speedup": busy["ref"] / busy["fp8"] if converts else 1.0,
     }
+    if general is not None:
+        row |= {
+            "fp8_general_path_time_sec": t["fp8_general"],
+            "fast_path_gain": t["fp8_general"] / t["fp8"],
+        }
     if "torchao" in t:
         row |= {
             "torchao_time_sec": t["torchao"],

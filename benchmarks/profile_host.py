@@ -36,6 +36,7 @@ import time
 import torch
 from torch import nn
 
+from benchmarks.utils import general_path
 from fp8train import Float8Linear, Float8LinearConfig
 
 
@@ -85,14 +86,6 @@ class PythonFunctionLinear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _HighPrecisionMatmul.apply(input, self.weight)
-
-
-def general_path(layer: Float8Linear) -> Float8Linear:
-    """A copy of `layer` (sharing its weight) that never takes the eager fast path: the plan
-    it caches for its config says none (Float8Linear._takes_eager_path)."""
-    general = copy.copy(layer)
-    general._eager = (general.config, None)
-    return general
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import datetime
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 
 import fp8train
-from fp8train import CastConfig, Float8LinearConfig
+import fp8train.eager
+from fp8train import CastConfig, Float8Linear, Float8LinearConfig
 from fp8train.toolchain import adopt_torch_ptxas, ptxas_in_use
 
 
@@ -178,4 +180,20 @@ def delayed_config(**kwargs: object) -> Float8LinearConfig:
         cast_config_weight=delayed,
         cast_config_grad_output=delayed,
         **kwargs,
+    )
+
+
+def general_path(layer: Float8Linear) -> Float8Linear:
+    """A copy of `layer` (sharing its weight) that never takes the eager fast path: the plan
+    it caches for its config says none (Float8Linear._takes_eager_path)."""
+    general = copy.copy(layer)
+    general._eager = (general.config, None)
+    return general
+
+
+def takes_eager_path(layer: Float8Linear, device: torch.device | str) -> bool:
+    """True if eager calls of `layer` on `device` take fp8train.eager's fast path (token
+    counts that are multiples of 16 aside)."""
+    return torch.device(device).type in fp8train.eager.EAGER_DEVICES and (
+        fp8train.eager.eager_plan(layer.config, layer.in_features, layer.out_features) is not None
     )

@@ -143,6 +143,23 @@ def test_bench_linear_runs_a_tiny_shape_on_the_cpu(capsys):
     assert "geometric mean fp8_speedup over 1 rows" in out
 
 
+def test_bench_linear_times_the_general_path_beside_the_eager_fast_path(capsys, monkeypatch):
+    """Eager rows on the fast path's devices (here the CPU, switched on for the test) time
+    the layer held to the general path too; compiled rows and other recipes do not."""
+    import fp8train.eager
+
+    monkeypatch.setattr(fp8train.eager, "EAGER_DEVICES", frozenset({"cpu"}))
+    argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "both"]
+    main([*argv, "--recipes", "tensorwise", "rowwise"])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("| name")).split(" | ")
+    rows = [line.split(" | ") for line in lines if line.startswith("| custom0")]
+    gain = header.index("fast_path_gain")
+    timed = {(row[3], row[6]): row[gain].strip(" |") for row in rows}
+    assert timed[("False", "tensorwise")] and float(timed[("False", "tensorwise")]) > 0
+    assert not timed[("True", "tensorwise")] and not timed[("False", "rowwise")]
+
+
 def test_bench_linear_times_every_recipe(capsys):
     from fp8train import Float8LinearRecipeName
 
