@@ -311,3 +311,25 @@ def test_fast_path_takes_non_contiguous_inputs_and_gradients(device, fast_casts,
     assert fast_casts and not x.is_contiguous()
     _general(monkeypatch)
     _assert_identical(fast, run())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "weight_dtype,input_dtype",
+    [
+        (torch.float32, torch.bfloat16),  # fp32 master weights, bf16 activations
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+    ids=["fp32-weight-bf16-input", "fp16", "bf16"],
+)
+def test_fast_path_equals_the_general_path_across_dtypes(
+    device, weight_dtype, input_dtype, fast_casts, monkeypatch
+):
+    layer = Float8Linear(64, 48, device=device, dtype=weight_dtype)
+    x = torch.randn(32, 64, device=device, dtype=input_dtype)
+    grad = torch.randn(32, 48, device=device, dtype=input_dtype)
+    fast = _fwd_bwd(layer, x, grad, input_grad=True)
+    assert fast_casts and fast[0].dtype == input_dtype and fast[2].dtype == weight_dtype
+    _general(monkeypatch)
+    _assert_identical(fast, _fwd_bwd(layer, x, grad, input_grad=True))
