@@ -20,8 +20,9 @@ Float8Linear costs ~1.9 ms of host time per fwd+bwd (which is why eager float8 l
 layers and on small models: the demo's 56 layers take ~110 ms a step). That host time was
 measured before the eager fast path (fp8train.eager), which takes a quarter to a third of it
 away on an H100 (benchmarks/results/eager_path_h100_2026-12-07.md): for eager models the
-filter may now leave out layers that would pay. On other GPUs the constants are a guess: pass
-your own, or measure with `python -m fp8train bench-linear`.
+filter may now leave out layers that would pay: `CostModel(eager_cpu_s=...)` with the float8
+row of `python -m benchmarks.profile_host` on your host (seconds) models it. On other GPUs the
+constants are a guess: pass your own, or measure with `python -m fp8train bench-linear`.
 """
 
 from __future__ import annotations
