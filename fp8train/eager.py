@@ -202,15 +202,18 @@ class _EagerMatmul(torch.autograd.Function):
             out_dtype=input.dtype, use_fast_accum=plan.fast_accum[Gemm.OUTPUT],
         )  # fmt: skip
         weight_kept = weight_col if keep_weight else weight if need_grad_input else None
-        ctx.save_for_backward(input_col, input_inverse, weight_kept, weight_scale, weight_inverse)
+        # What the general path saves: each float8 tensor (or the hp weight) and one scale;
+        # the weight's inverse scale (4 bytes) rides on ctx, as there.
+        ctx.save_for_backward(input_col, input_inverse, weight_kept, weight_scale)
+        ctx.weight_inverse = weight_inverse
         ctx.plan = plan
         ctx.dtypes = input.dtype, weight.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205, D102
-        input_col, input_inverse, weight_kept, weight_scale, weight_inverse = ctx.saved_tensors
-        plan = ctx.plan
+        input_col, input_inverse, weight_kept, weight_scale = ctx.saved_tensors
+        weight_inverse, plan = ctx.weight_inverse, ctx.plan
         need_grad_input, need_grad_weight = ctx.needs_input_grad[:2]
         _, grad_inverse, grad_row, grad_col = _cast(
             grad_output, plan.grad_output_dtype, need_grad_input, need_grad_weight, plan

@@ -333,3 +333,24 @@ def test_fast_path_equals_the_general_path_across_dtypes(
     assert fast_casts and fast[0].dtype == input_dtype and fast[2].dtype == weight_dtype
     _general(monkeypatch)
     _assert_identical(fast, _fwd_bwd(layer, x, grad, input_grad=True))
+
+
+@pytest.mark.parametrize("config", FAST_CONFIGS.values(), ids=FAST_CONFIGS.keys())
+def test_fast_path_keeps_for_backward_what_the_general_path_keeps(config, fast_casts, monkeypatch):
+    """The same saved tensors by dtype and shape (what saved-tensor hooks, offloading among
+    them, see), so the same bytes."""
+    layer = Float8Linear(64, 48, bias=False, config=config)
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def kept() -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: seen.append((t.dtype, tuple(t.shape))) or t, lambda t: t
+        ):
+            layer(x)
+        return sorted(seen, key=str)
+
+    fast = kept()
+    assert fast_casts
+    _general(monkeypatch)
+    assert fast == kept()
