@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 import fp8train
-import fp8train.eager
 from fp8train import CastConfig, Float8Linear, Float8LinearConfig
 from fp8train.toolchain import adopt_torch_ptxas, ptxas_in_use
 
@@ -189,11 +188,3 @@ def general_path(layer: Float8Linear) -> Float8Linear:
     general = copy.copy(layer)
     general._eager = (general.config, None)
     return general
-
-
-def takes_eager_path(layer: Float8Linear, device: torch.device | str) -> bool:
-    """True if eager calls of `layer` on `device` take fp8train.eager's fast path (token
-    counts that are multiples of 16 aside)."""
-    return torch.device(device).type in fp8train.eager.EAGER_DEVICES and (
-        fp8train.eager.eager_plan(layer.config, layer.in_features, layer.out_features) is not None
-    )
