@@ -31,6 +31,8 @@ Every row also says what `fp8train.auto_filter` decides for that layer (its toke
 recipe and mode): `auto_filter` True converts it, and `auto_filter_speedup` is the layer's
 speedup with the filter on: fp8_speedup where it converts, 1 (the layer stays in high
 precision) where it does not; `auto_filter_device_speedup` is the same by device time.
+Eager on a GPU the filter models this host: its host time per float8 layer is measured
+(`CostModel.measure_host`, a 256 x 256 x 256 layer's fwd+bwd) and shown as fp8_host_time_sec.
 `--model` times the layers of a model of this repository at its tokens per step, so the
 slowest row of those columns answers "with the auto filter on, is any layer of this model
 slower than in bf16?".
@@ -48,6 +50,7 @@ import torch
 import torch._inductor.config
 from torch import nn
 
+import fp8train.eager
 import fp8train.kernels.cast
 from benchmarks.utils import (
     PASS_VARIANTS,
@@ -71,6 +74,7 @@ from fp8train import (
     compute_error,
     sync_float8_amax_and_scale_history,
 )
+from fp8train.filters import CostModel
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 try:
@@ -237,7 +241,12 @@ def bench_shape(
     with torch.no_grad():
         want = layers["ref"](x)
         sqnr = {key: compute_error(want, layers[key](x)).item() for key in layers if key != "ref"}
-    converts = auto_filter(m, config=config, compiled=compiled)(ref, name)
+    # Eager where the host bounds small layers (the GPU), the filter's host time per layer is
+    # this host's (CostModel.measure_host).
+    costs = None
+    if not compiled and torch.device(device).type in fp8train.eager.EAGER_DEVICES:
+        costs = CostModel.measure_host(device, config=config, dtype=ref_dtype)
+    converts = auto_filter(m, config=config, compiled=compiled, model=costs)(ref, name)
     row = {
         "name": name,
         "shape": f"({m}, {k}, {n})",
@@ -255,6 +264,8 @@ def bench_shape(
         "fp8_device_speedup": busy["ref"] / busy["fp8"],
         "auto_filter_device_speedup": busy["ref"] / busy["fp8"] if converts else 1.0,
     }
+    if costs is not None:
+        row["fp8_host_time_sec"] = costs.eager_cpu_s
     if general is not None:
         row |= {
             "fp8_general_path_time_sec": t["fp8_general"],

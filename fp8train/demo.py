@@ -30,6 +30,7 @@ from fp8train import (
     stats,
 )
 from fp8train.data import batches, eval_batches, load_text_tokens, train_val_split
+from fp8train.filters import CostModel
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 WARMUP_STEPS = 3
@@ -332,7 +333,8 @@ def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
         f"{dtype_name}; gap = relative val loss difference; step time = mean after "
         f"{WARMUP_STEPS} warm-up steps."
     )
-    note = speed_note(rows, initial, device, args.batch_size * args.seq_len, args.compile)
+    tokens = args.batch_size * args.seq_len
+    note = speed_note(rows, initial, device, tokens, args.compile, float8_config(args))
     if note:
         print(f"\n{note}")
     if args.stats:
@@ -341,12 +343,19 @@ def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def speed_note(
-    rows: list[dict[str, Any]], model: nn.Module, device: torch.device, tokens: int, compiled: bool
+    rows: list[dict[str, Any]],
+    model: nn.Module,
+    device: torch.device,
+    tokens: int,
+    compiled: bool,
+    config: Float8LinearConfig | None = None,
+    costs: CostModel | None = None,
 ) -> str | None:
     """Why float8 ran slower than high precision, where it did (None where it did not): the
     demo shows the loss float8 reaches, and its models are small, so that a run takes minutes.
     On a GPU, fp8train.auto_filter's cost model says how many of the float8 layers it would
-    expect to be faster at this size."""
+    expect to be faster at this size; eager, with this host's time per layer measured
+    (CostModel.measure_host) unless `costs` is given."""
     high, float8 = rows
     if float8["tokens_per_s"] >= high["tokens_per_s"]:
         return None
@@ -355,7 +364,9 @@ def speed_note(
             "float8 ran slower here: the CPU has no fast float8 gemms or casts. The demo shows "
             "the loss float8 reaches; its speed is a GPU's (README: Speed)."
         )
-    keep = auto_filter(tokens, compiled=compiled)
+    if costs is None and not compiled:
+        costs = CostModel.measure_host(device, config=config)
+    keep = auto_filter(tokens, config=config, compiled=compiled, model=costs)
     layers = [
         (fqn, m)
         for fqn, m in model.named_modules()

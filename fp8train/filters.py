@@ -6,7 +6,8 @@
 It models the fwd+bwd time of each nn.Linear (M tokens, K in, N out) in high precision and in
 float8 and converts the layer where float8 is modelled faster by `margin`:
 
-    high precision  3 gemms of 2*M*K*N FLOPs at HP_FLOPS
+    high precision  3 gemms of 2*M*K*N FLOPs at HP_FLOPS; eager mode, at least
+                    EAGER_HP_CPU_S of host time per layer
     float8          the gemms whose operands are cast at FP8_FLOPS (the others at HP_FLOPS),
                     plus the bytes the casts move at CAST_BYTES_PER_S: per cast, the amax
                     read, the cast read and one float8 write per layout; eager mode also pays
@@ -19,17 +20,27 @@ run at 630-680 TFLOP/s, the float8 gemms at ~1500, the casts' traffic at ~1.6 TB
 Float8Linear costs ~1.9 ms of host time per fwd+bwd (which is why eager float8 loses on thin
 layers and on small models: the demo's 56 layers take ~110 ms a step). That host time was
 measured before the eager fast path (fp8train.eager), which takes a quarter to a third of it
-away on an H100 (benchmarks/results/eager_path_h100_2026-12-07.md): for eager models the
-filter may now leave out layers that would pay: `CostModel(eager_cpu_s=...)` with the float8
-row of `python -m benchmarks.profile_host` on your host (seconds) models it. On other GPUs the
-constants are a guess: pass your own, or measure with `python -m fp8train bench-linear`.
+away on an H100 (benchmarks/results/eager_path_h100_2026-12-07.md), and the host's share
+depends on the host more than on the GPU. For eager models, measure it on the machine that
+trains:
+
+    model = CostModel.measure_host()       # ~1 s: a small layer's fwd+bwd, both precisions
+    convert_to_float8_training(model, module_filter_fn=auto_filter(tokens, compiled=False,
+                                                                   model=model))
+
+On other GPUs the other constants are a guess: pass your own, or measure with
+`python -m fp8train bench-linear`.
 """
 
 from __future__ import annotations
 
+import copy
+import statistics
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from fp8train.cast import cast_key
@@ -41,6 +52,7 @@ from fp8train.config import (
     Role,
     config_or_default,
 )
+from fp8train.linear import Float8Linear
 
 HP_BYTES = 2  # bf16 activations and weights
 
@@ -51,10 +63,46 @@ class CostModel:
     fp8_flops: float = 1500e12
     cast_bytes_per_s: float = 1.6e12
     eager_cpu_s: float = 1.9e-3
+    eager_hp_cpu_s: float = 0.2e-3
     compiled_overhead_s: float = 20e-6
+
+    @classmethod
+    def measure_host(
+        cls,
+        device: torch.device | str | None = None,
+        *,
+        config: Float8LinearConfig | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        steps: int = 200,
+        **constants: float,
+    ) -> CostModel:
+        """A CostModel whose eager host times are measured here: the wall-clock time of a
+        256 x 256 x 256 layer's fwd+bwd (Float8Linear with `config`, and nn.Linear), where the
+        GPU work is too small to matter, so the step takes what the host needs to issue it.
+        `device`: the current CUDA device by default. `constants`: the other fields."""
+        if device is None:
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "CostModel.measure_host() measures the host time of eager layers on a GPU "
+                    "and none is available: pass device= to measure elsewhere, or use "
+                    "CostModel(eager_cpu_s=..., eager_hp_cpu_s=...)"
+                )
+            device = torch.device("cuda", torch.cuda.current_device())
+        base = nn.Linear(256, 256, bias=False, device=device, dtype=dtype)
+        float8 = Float8Linear.from_float(copy.deepcopy(base), config_or_default(config))
+        x = torch.randn(256, 256, device=device, dtype=dtype, requires_grad=True)
+        return replace(
+            cls(**constants),
+            eager_cpu_s=_host_seconds_per_step(float8, x, steps),
+            eager_hp_cpu_s=_host_seconds_per_step(base, x, steps),
+        )
 
     def hp_time(self, m: int, k: int, n: int) -> float:
         return 3 * 2 * m * k * n / self.hp_flops
+
+    def high_precision_time(self, m: int, k: int, n: int, compiled: bool) -> float:
+        gpu = self.hp_time(m, k, n)
+        return gpu if compiled else max(gpu, self.eager_hp_cpu_s)
 
     def float8_time(
         self, m: int, k: int, n: int, config: Float8LinearConfig, compiled: bool
@@ -67,6 +115,21 @@ class CostModel:
         if compiled:
             return gpu + self.compiled_overhead_s
         return max(gpu, self.eager_cpu_s)
+
+
+def _host_seconds_per_step(layer: nn.Module, x: torch.Tensor, steps: int) -> float:
+    """The median over five blocks of `steps` fwd+bwd, after a warm-up, in seconds per step."""
+
+    def block(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            layer(x).sum().backward()
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        return (time.perf_counter() - start) / n
+
+    block(20)
+    return statistics.median(block(max(1, steps // 5)) for _ in range(5))
 
 
 def _cast_bytes(m: int, k: int, n: int, config: Float8LinearConfig) -> float:
@@ -109,7 +172,7 @@ def auto_filter(
         if also is not None and not also(module, fqn):
             return False
         k, n = module.in_features, module.out_features
-        hp = model.hp_time(tokens, k, n)
+        hp = model.high_precision_time(tokens, k, n, compiled)
         return hp >= margin * model.float8_time(tokens, k, n, config, compiled)
 
     return keep

@@ -158,6 +158,13 @@ def test_bench_linear_times_the_general_path_beside_the_eager_fast_path(capsys, 
     timed = {(row[3], row[6]): row[gain].strip(" |") for row in rows}
     assert timed[("False", "tensorwise")] and float(timed[("False", "tensorwise")]) > 0
     assert not timed[("True", "tensorwise")] and not timed[("False", "rowwise")]
+    # eager rows there carry the host time the auto filter models (CostModel.measure_host)
+    host = header.index("fp8_host_time_sec")
+    measured = {(row[3], row[6]): row[host].strip(" |") for row in rows}
+    assert (
+        float(measured[("False", "tensorwise")]) > 0 and float(measured[("False", "rowwise")]) > 0
+    )
+    assert not measured[("True", "tensorwise")]
 
 
 def test_bench_linear_times_every_recipe(capsys):

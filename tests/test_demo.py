@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8train import Float8Linear
+from fp8train import Float8Linear, Float8LinearConfig
 from fp8train.__main__ import main
 from fp8train.data import (
     VOCAB_SIZE,
@@ -27,6 +27,7 @@ from fp8train.demo import (
     speed_note,
     to_float8,
 )
+from fp8train.filters import CostModel
 from fp8train.models import ModelArgs, Transformer
 
 # Small enough that both runs take about a second on two CPU cores. fp32: CPU bf16 is slow.
@@ -244,7 +245,8 @@ def test_speed_note_on_a_gpu_counts_the_layers_the_cost_model_expects_to_pay(
 ) -> None:
     """The cost model's count, over the layers the demo converts (not the lm_head): at 8192
     tokens an FFN layer of 4096 x 14336 pays in either mode, a 1024 x 1024 layer in neither
-    (fp8train.auto_filter). No GPU needed: the model is on the meta device."""
+    (fp8train.auto_filter, with the eager host time of a host before the eager fast path).
+    No GPU needed: the model is on the meta device."""
     model = nn.ModuleDict(
         {
             "w1": nn.Linear(4096, 14336, device="meta"),
@@ -253,7 +255,25 @@ def test_speed_note_on_a_gpu_counts_the_layers_the_cost_model_expects_to_pay(
         }
     )
     rows = [{"tokens_per_s": 100.0}, {"tokens_per_s": 50.0}]
-    note = speed_note(rows, model, torch.device("cuda"), 8192, compiled=compiled)
+    note = speed_note(rows, model, torch.device("cuda"), 8192, compiled=compiled, costs=CostModel())
     mode = "compiled" if compiled else "eager"
     assert f"expects {mode} float8 to be faster in 1 of these 2 layers" in note
     assert ("--compile" in note) is not compiled
+
+
+def test_speed_note_eager_measures_this_hosts_time_per_layer(monkeypatch) -> None:
+    """Eager, the note's cost model takes the host time it measures (CostModel.measure_host),
+    with the demo's float8 config: a fast host keeps the thin 1024 x 8192 layer."""
+    calls = []
+
+    def measure_host(device, config=None):
+        calls.append((device, config))
+        return CostModel(eager_cpu_s=0.2e-3)
+
+    monkeypatch.setattr(CostModel, "measure_host", measure_host)
+    model = nn.ModuleDict({"wo": nn.Linear(1024, 8192, device="meta")})
+    rows = [{"tokens_per_s": 100.0}, {"tokens_per_s": 50.0}]
+    config = Float8LinearConfig(recompute_weight_cast=False)
+    note = speed_note(rows, model, torch.device("cuda"), 16384, False, config)
+    assert calls == [(torch.device("cuda"), config)]
+    assert "expects eager float8 to be faster in 1 of these 1 layers" in note

@@ -1,6 +1,7 @@
 """fp8train.filters.auto_filter: the modelled cost, against the H200 figures it was fitted to."""
 
 import pytest
+import torch
 from torch import nn
 
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
@@ -55,3 +56,33 @@ def test_convert_with_the_auto_filter():
     model = nn.Sequential(nn.Linear(4096, 14336), nn.Linear(64, 64))
     convert_to_float8_training(model, module_filter_fn=auto_filter(TOKENS))
     assert isinstance(model[0], Float8Linear) and type(model[1]) is nn.Linear
+
+
+def test_the_eager_host_time_decides_the_thin_layers():
+    wqkv = nn.Linear(8192, 1280)
+    # 1.9 ms a layer (the host before the eager fast path) leaves it out; 0.6 ms keeps it
+    assert not auto_filter(TOKENS, compiled=False)(wqkv, "wqkv")
+    fast_host = CostModel(eager_cpu_s=0.6e-3)
+    assert auto_filter(TOKENS, compiled=False, model=fast_host)(wqkv, "wqkv")
+    assert auto_filter(TOKENS, compiled=True, model=fast_host)(wqkv, "wqkv")
+
+
+def test_eager_high_precision_is_bound_by_its_host_time_too():
+    model = CostModel(eager_cpu_s=1e-3, eager_hp_cpu_s=1e-3)
+    assert model.high_precision_time(256, 256, 256, compiled=False) == 1e-3
+    assert model.high_precision_time(256, 256, 256, compiled=True) == model.hp_time(256, 256, 256)
+    # both bound by the same host time: float8 cannot win
+    assert not auto_filter(256, compiled=False, model=model)(nn.Linear(256, 256), "small")
+
+
+def test_measure_host_times_both_layers_and_keeps_the_other_constants():
+    model = CostModel.measure_host("cpu", dtype=torch.float32, steps=10, hp_flops=1e12)
+    assert model.hp_flops == 1e12 and model.fp8_flops == CostModel().fp8_flops
+    assert 0 < model.eager_hp_cpu_s < 1 and 0 < model.eager_cpu_s < 1
+    assert model.eager_cpu_s != CostModel().eager_cpu_s
+
+
+def test_measure_host_without_a_gpu_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="none is available: pass device="):
+        CostModel.measure_host()
