@@ -31,7 +31,7 @@ from fp8train.delayed import (
     tie_delayed_input_scales,
 )
 from fp8train.distributed import precompute_float8_dynamic_scale_for_fsdp
-from fp8train.filters import auto_filter
+from fp8train.filters import CostModel, auto_filter
 from fp8train.linear import Float8Linear
 from fp8train.matmul import float8_matmul
 from fp8train.numerics import compute_error
@@ -54,6 +54,7 @@ __all__ = [
     # top-level UX
     "convert_to_float8_training",
     "auto_filter",
+    "CostModel",
     "sync_float8_amax_and_scale_history",
     "tie_delayed_input_scales",
     "find_shared_inputs",

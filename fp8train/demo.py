@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm import tqdm
 
 from fp8train import (
+    CostModel,
     Float8Linear,
     Float8LinearConfig,
     __version__,
@@ -30,7 +31,6 @@ from fp8train import (
     stats,
 )
 from fp8train.data import batches, eval_batches, load_text_tokens, train_val_split
-from fp8train.filters import CostModel
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 WARMUP_STEPS = 3
