@@ -6,6 +6,7 @@ from torch import nn
 
 from fp8train import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from fp8train.filters import CostModel, auto_filter
+from tests.conftest import DEVICES
 
 TOKENS = 16384
 # (K, N) -> measured fwd+bwd speedup over bf16 on the H200 (compiled, eager), from
@@ -75,8 +76,10 @@ def test_eager_high_precision_is_bound_by_its_host_time_too():
     assert not auto_filter(256, compiled=False, model=model)(nn.Linear(256, 256), "small")
 
 
-def test_measure_host_times_both_layers_and_keeps_the_other_constants():
-    model = CostModel.measure_host("cpu", dtype=torch.float32, steps=10, hp_flops=1e12)
+@pytest.mark.parametrize("device", DEVICES)
+def test_measure_host_times_both_layers_and_keeps_the_other_constants(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # CPU bf16 matmuls are slow
+    model = CostModel.measure_host(device, dtype=dtype, steps=10, hp_flops=1e12)
     assert model.hp_flops == 1e12 and model.fp8_flops == CostModel().fp8_flops
     assert 0 < model.eager_hp_cpu_s < 1 and 0 < model.eager_cpu_s < 1
     assert model.eager_cpu_s != CostModel().eager_cpu_s
