@@ -31,13 +31,13 @@ import copy
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 from torch import nn
 
 from benchmarks.utils import general_path
 from fp8train import Float8Linear, Float8LinearConfig
+from fp8train.filters import host_seconds_per_step
 
 
 def _sync(device: str) -> None:
@@ -46,19 +46,9 @@ def _sync(device: str) -> None:
 
 
 def host_us_per_step(layer: nn.Module, x: torch.Tensor, steps: int) -> float:
-    """Wall-clock microseconds per fwd+bwd, after a warm-up."""
-
-    def step() -> None:
-        layer(x).sum().backward()
-
-    for _ in range(30):
-        step()
-    _sync(x.device.type)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(x.device.type)
-    return (time.perf_counter() - start) / steps * 1e6
+    """Wall-clock microseconds per fwd+bwd, after a warm-up: the timing the auto filter's
+    CostModel.measure_host makes."""
+    return host_seconds_per_step(layer, x, steps) * 1e6
 
 
 class _HighPrecisionMatmul(torch.autograd.Function):
