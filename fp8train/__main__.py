@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Sequence
 
 from fp8train.demo import add_demo_arguments, run_demo
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command. The benchmarks' and examples' modules (which import
+    matplotlib, and torchao where it is installed) are imported for `command` alone: the
+    others' options are not parsed, and their summaries are written here."""
     parser = argparse.ArgumentParser(
         prog="python -m fp8train",
         description="fp8train: float8 training for PyTorch. Run a command with --help for its "
@@ -39,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, summary in BENCHMARKS.items():
         description = f"{summary} (benchmarks/bench_{name}.py)"
         _add_checkout_command(
-            commands, f"bench-{name}", f"benchmarks.bench_{name}", summary, description
+            commands, f"bench-{name}", f"benchmarks.bench_{name}", summary, description, command
         )
     _add_checkout_command(
         commands,
@@ -47,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "examples.train_llama",
         "LLaMA-style training on real text: bf16 against float8 recipes and torchao.float8",
         "LLaMA-style training on real text (examples/train_llama.py)",
+        command,
     )
     _add_checkout_command(
         commands,
@@ -55,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run the per-layer, memory and end-to-end benchmarks and score the goals",
         "Run the per-layer, memory and end-to-end benchmarks and print the goals table from "
         "their figures (benchmarks/scorecard.py)",
+        command,
     )
     return parser
 
@@ -72,10 +78,14 @@ def _add_checkout_command(
     module_name: str,
     summary: str,
     description: str,
+    selected: str | None,
 ) -> None:
     """A command whose module lives in the checkout (benchmarks/, examples/): its own
-    add_arguments and main, or a clear error outside a checkout."""
+    add_arguments and main, or a clear error outside a checkout. The module is imported only
+    where `command` is the `selected` one."""
     parser = commands.add_parser(command, help=summary, description=description)
+    if command != selected:
+        return
     module = _from_checkout(module_name)
     if module is None:
         parser.set_defaults(func=_no_benchmarks)
@@ -111,7 +121,10 @@ def _print_env(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The command is the first word that is not an option (the top level has only --help).
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     args.func(args)
     return 0
 

@@ -1,5 +1,6 @@
 """The benchmark commands' plumbing (the measurements themselves run on a GPU)."""
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -687,6 +688,28 @@ def test_checkout_commands_outside_a_checkout_say_where_they_live(command, monke
     monkeypatch.setattr(cli, "_from_checkout", lambda name: None)
     with pytest.raises(SystemExit, match="run this from the root of a checkout"):
         cli.main([command])
+
+
+@pytest.mark.parametrize(
+    ("argv", "imported"),
+    [
+        (["demo", "--help"], []),
+        (["--help"], []),
+        (["bench-linear", "--device", "cpu"], ["benchmarks.bench_linear"]),
+        (["train-llama"], ["examples.train_llama"]),
+    ],
+)
+def test_the_cli_imports_the_module_of_the_command_given_only(argv, imported, monkeypatch):
+    """A command's run imports no other command's module (they import matplotlib, and
+    torchao where it is installed, which warns on a machine without CUDA)."""
+    import fp8train.__main__ as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_from_checkout", lambda name: seen.append(name))
+    monkeypatch.setattr(cli, "run_demo", lambda args: None)
+    with contextlib.suppress(SystemExit):  # --help, or the stand-in's missing module
+        cli.main(argv)
+    assert seen == imported
 
 
 def test_bench_linear_runs_backward_on_the_thread_asked_for_and_restores_it(capsys, monkeypatch):
