@@ -79,7 +79,9 @@ class Float8Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         device_type = input.device.type
-        if torch.is_autocast_enabled(device_type) and not isinstance(input, Float8Tensor):
+        # Autocast knows no meta device (shape-only runs of a model built on it): it raises.
+        autocast = device_type != "meta" and torch.is_autocast_enabled(device_type)
+        if autocast and not isinstance(input, Float8Tensor):
             # Autocast does not see inside the float8 matmul: apply its dtype here, as it
             # would for nn.Linear.
             input = input.to(torch.get_autocast_dtype(device_type))

@@ -115,6 +115,22 @@ def test_autocast_runs_the_layer_in_the_autocast_dtype():
     assert out.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "delayed"])
+def test_a_layer_on_the_meta_device_gives_shapes_forward_and_backward(recipe):
+    """Shape-only runs (a model built on the meta device, as for FSDP2's deferred init, run
+    to count FLOPs or check shapes) work as with nn.Linear; autocast knows no meta device."""
+    if recipe == "delayed":
+        config = one_pass_delayed_config()
+    else:
+        config = Float8LinearConfig.from_recipe_name(recipe)
+    layer = Float8Linear(128, 256, config=config, device="meta")
+    x = torch.empty(2, 64, 128, device="meta", requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (2, 64, 256) and out.device.type == "meta"
+    assert x.grad.shape == x.shape and layer.weight.grad.shape == layer.weight.shape
+
+
 @pytest.mark.parametrize(
     "in_features,out_features,match",
     [
