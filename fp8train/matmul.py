@@ -348,6 +348,13 @@ def check_operands(input: torch.Tensor, weight: torch.Tensor, fqn: str = "") -> 
     or if they do not make `input @ weight.T` (ValueError), before any cast or gemm would fail
     inside torch. `fqn` is read only to raise: torch.compile would otherwise guard on the
     string, and every layer of a block compiled once would compile its own copy."""
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
+        # Its autograd.Functions keep float8 casts on ctx, which torch.func cannot transform.
+        raise RuntimeError(
+            f"{_operands_of(fqn)}: float8 training does not run under torch.func transforms "
+            "(grad, vmap, jacrev, ...): take gradients with loss.backward() or "
+            "torch.autograd.grad, or leave this layer out with module_filter_fn"
+        )
     if weight.dtype not in HP_DTYPES:
         raise TypeError(
             f"{_operands_of(fqn)}: weight dtype {weight.dtype} is not float32, bfloat16 or "

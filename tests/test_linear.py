@@ -115,6 +115,22 @@ def test_autocast_runs_the_layer_in_the_autocast_dtype():
     assert out.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_get_a_clear_error(transform):
+    layer = Float8Linear(64, 48)
+    x = torch.randn(16, 64)
+    params = dict(layer.named_parameters())
+
+    def loss(p: dict) -> torch.Tensor:
+        return torch.func.functional_call(layer, p, (x,)).sum()
+
+    with pytest.raises(RuntimeError, match="does not run under torch.func transforms"):
+        if transform == "grad":
+            torch.func.grad(loss)(params)
+        else:
+            torch.func.vmap(layer)(torch.randn(2, 16, 64))
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "delayed"])
 def test_a_layer_on_the_meta_device_gives_shapes_forward_and_backward(recipe):
     """Shape-only runs (a model built on the meta device, as for FSDP2's deferred init, run
