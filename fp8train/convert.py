@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -25,7 +26,8 @@ def convert_to_float8_training(
     shares its parameters, and return the module.
 
     `module_filter_fn(linear, fqn)` returns False for layers to leave in high precision; fqn is
-    the layer's dotted name in `module` ("" for the root). A layer that cannot run float8 gemms
+    the layer's dotted name in `module` ("" for the root). A filter that cannot take those two
+    arguments, or returns None (a path without a return), raises a TypeError. A layer that cannot run float8 gemms
     raises a ValueError that names it and says what to do, and so does a subclass of nn.Linear
     with a forward of its own (swapping it would drop that forward). nn.MultiheadAttention
     never calls its `out_proj` as a module: it stays in high precision, with a warning.
@@ -37,10 +39,19 @@ def convert_to_float8_training(
             f"convert_to_float8_training takes an nn.Module, got a {type(module).__name__}"
         )
     config = config_or_default(config)
+    _check_filter(module_filter_fn)
     warn_once_about_toolchain()
 
     def wanted(linear: nn.Linear, fqn: str) -> bool:
-        return module_filter_fn is None or module_filter_fn(linear, fqn)
+        if module_filter_fn is None:
+            return True
+        keep = module_filter_fn(linear, fqn)
+        if keep is None:  # most likely a path of the filter without a return
+            raise TypeError(
+                f"module_filter_fn returned None for '{fqn}': return True to convert the layer "
+                "to float8, False to leave it in high precision"
+            )
+        return bool(keep)
 
     def convert(child: nn.Module, fqn: str) -> nn.Module:
         if isinstance(child, nn.MultiheadAttention):
@@ -74,3 +85,27 @@ def convert_to_float8_training(
         return child
 
     return convert(module, "")
+
+
+def _check_filter(module_filter_fn: object) -> None:
+    """A TypeError naming the call convert_to_float8_training makes, for a filter that cannot
+    take it (before a TypeError from inside the conversion)."""
+    if module_filter_fn is None:
+        return
+    if not callable(module_filter_fn):
+        raise TypeError(
+            f"module_filter_fn={module_filter_fn!r} is not callable: give a function "
+            "(module, fqn) -> bool, for example lambda module, fqn: fqn != 'output'"
+        )
+    try:
+        signature = inspect.signature(module_filter_fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): call it as it is
+        return
+    try:
+        signature.bind(nn.Linear, "fqn")
+    except TypeError:
+        raise TypeError(
+            f"module_filter_fn{signature} cannot be called as module_filter_fn(module, fqn), "
+            "which convert_to_float8_training does for every nn.Linear (fqn: its dotted name "
+            "in the model): give it both parameters"
+        ) from None

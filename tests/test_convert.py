@@ -55,8 +55,44 @@ def test_swaps_nested_linears_and_leaves_filtered_ones():
 
 def test_filter_sees_each_linear_with_its_fqn():
     seen = []
-    convert_to_float8_training(Model(), module_filter_fn=lambda mod, fqn: seen.append(fqn))
+    convert_to_float8_training(Model(), module_filter_fn=lambda mod, fqn: seen.append(fqn) or False)
     assert "blocks.0.attn.wq" in seen and "head" in seen and len(seen) == 9
+
+
+def _no_return_for_most(module: nn.Module, fqn: str) -> bool | None:
+    if fqn == "head":
+        return False
+    return None  # a filter that forgot to return for the other layers
+
+
+@pytest.mark.parametrize(
+    ("module_filter_fn", "match"),
+    [
+        (lambda module: True, r"module_filter_fn\(module\) cannot be called as"),
+        (lambda: True, "cannot be called as module_filter_fn"),
+        ("head", "is not callable"),
+        (_no_return_for_most, "returned None for 'blocks.0.attn.wq': return True"),
+    ],
+    ids=["one-parameter", "no-parameter", "not-callable", "returns-none"],
+)
+def test_a_filter_that_cannot_answer_gets_a_clear_error(module_filter_fn, match):
+    model = Model()
+    with pytest.raises(TypeError, match=match):
+        convert_to_float8_training(model, module_filter_fn=module_filter_fn)
+
+
+def test_filters_of_any_calling_convention_that_takes_two_arguments_work():
+    def with_defaults(module, fqn, *, extra=None):  # noqa: ANN001, ANN202, ARG001
+        return fqn != "head"
+
+    class Callable_:
+        def __call__(self, module, fqn):  # noqa: ANN001, ANN204
+            return fqn != "head"
+
+    for module_filter_fn in (with_defaults, Callable_(), lambda *args: args[1] != "head"):
+        model = convert_to_float8_training(Model(), module_filter_fn=module_filter_fn)
+        assert not isinstance(model.head, Float8Linear)
+        assert isinstance(model.blocks[0].attn.wq, Float8Linear)
 
 
 def test_misaligned_layer_error_names_its_fqn():
