@@ -27,12 +27,12 @@ def convert_to_float8_training(
 
     `module_filter_fn(linear, fqn)` returns False for layers to leave in high precision; fqn is
     the layer's dotted name in `module` ("" for the root). A filter that cannot take those two
-    arguments, or returns None (a path without a return), raises a TypeError. A layer that cannot run float8 gemms
-    raises a ValueError that names it and says what to do, and so does a subclass of nn.Linear
-    with a forward of its own (swapping it would drop that forward). nn.MultiheadAttention
-    never calls its `out_proj` as a module: it stays in high precision, with a warning.
-    On a GPU whose kernels Triton would compile with a ptxas known to miscompile fp8train's
-    casts, the first call warns (fp8train.toolchain).
+    arguments, or returns None (a path without a return), raises a TypeError. A layer that
+    cannot run float8 gemms raises a ValueError that names it and says what to do, and so does
+    a subclass of nn.Linear with a forward of its own (swapping it would drop that forward).
+    nn.MultiheadAttention never calls its `out_proj` as a module: it stays in high precision,
+    with a warning. On a GPU whose kernels Triton would compile with a ptxas known to
+    miscompile fp8train's casts, the first call warns (fp8train.toolchain).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(

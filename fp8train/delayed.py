@@ -18,6 +18,8 @@ Static: CastConfig(scaling_type='static', static_scale=s) casts with s; no state
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -65,6 +67,8 @@ def register_delayed_buffers(
     # The roles whose scale buffer holds an earlier step's scale, known on the host: set by
     # the eager sync, cleared when a state_dict is loaded.
     module._fp8_ready_roles = set()
+    # Eager training calls before the first sync (note_unsynced_call); -1 once synced.
+    module._fp8_unsynced_calls = 0
     # Role value -> the Float8Linear whose state this layer's role uses instead of its own
     # (tie_delayed_input_scales). A plain dict, so that the other layer is not registered as
     # a submodule of this one.
@@ -246,6 +250,43 @@ def stateful_scale(
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+UNSYNCED_CALLS_TO_WARN = 64
+"""Eager training calls of a delayed-scaling layer without any sync, after which it warns."""
+_WARNED_UNSYNCED = False
+
+
+def note_unsynced_call(module: nn.Module, fqn: str) -> None:
+    """Count an eager training call of a delayed-scaling Float8Linear that no sync has seen,
+    and warn once at UNSYNCED_CALLS_TO_WARN: without the sync its casts scale from each
+    tensor's own amax, as dynamic scaling does (right, but with delayed scaling's costs and
+    none of its gains), and no amax history is kept."""
+    global _WARNED_UNSYNCED
+    calls = module._fp8_unsynced_calls
+    if calls < 0:
+        return
+    module._fp8_unsynced_calls = calls + 1
+    if calls + 1 == UNSYNCED_CALLS_TO_WARN and not _WARNED_UNSYNCED:
+        _WARNED_UNSYNCED = True  # once per process: every layer of the model would say it
+        name = f"Float8Linear '{fqn}'" if fqn else "A Float8Linear"
+        warnings.warn(
+            f"{name} has delayed scaling and has run {UNSYNCED_CALLS_TO_WARN} training calls "
+            "without a sync: call fp8train.sync_float8_amax_and_scale_history(model) once per "
+            "step, after backward. Until then each cast scales from its tensor's own amax, "
+            "as dynamic scaling does, and no amax history is kept",
+            stacklevel=_caller_level(),
+        )
+
+
+def _caller_level() -> int:
+    """The warnings.warn stacklevel, for its caller here, of the first frame outside fp8train
+    and torch.nn's modules: the user's code that called the model (or the layer)."""
+    inside = (os.path.dirname(__file__), os.path.dirname(nn.modules.module.__file__))
+    frame, level = sys._getframe(2), 2  # that of _getframe(2): the caller of our caller
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @torch.no_grad()
 def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
     """After backward, once per step: push every delayed amax into its history and recompute
@@ -259,6 +300,8 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
         if not isinstance(module, Float8Linear):
             continue
         config = module.config
+        if not torch.compiler.is_compiling():
+            module._fp8_unsynced_calls = -1
         for role in delayed_roles(config):
             if state_source(module, role) is not module:
                 continue  # tied: its source's state is synced once, as its own

@@ -16,6 +16,7 @@ from fp8train.config import (
 from fp8train.delayed import (
     buffer_names,
     delayed_roles,
+    note_unsynced_call,
     register_delayed_buffers,
     role_state,
     state_source,
@@ -138,6 +139,8 @@ class Float8Linear(nn.Linear):
                 role in source._fp8_ready_roles
             )
             state[role] = role_state(source, role, ready)
+        if state and not torch.compiler.is_compiling() and torch.is_grad_enabled():
+            note_unsynced_call(self, self.fqn)
         weight_casts = self._weight_casts
         stale = (
             weight_casts is not None

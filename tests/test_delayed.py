@@ -2,6 +2,7 @@
 checkpoints, and torch.compile without graph breaks or recompiles."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -53,6 +54,30 @@ def test_without_a_sync_delayed_scaling_trains_as_dynamic_scaling():
         assert torch.equal(*outputs)
         for delayed_param, dynamic_param in zip(*(m.parameters() for m in models), strict=True):
             assert torch.equal(delayed_param.grad, dynamic_param.grad)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["never-synced", "synced"])
+def test_training_without_a_sync_warns_once(sync, monkeypatch):
+    monkeypatch.setattr(delayed_module, "UNSYNCED_CALLS_TO_WARN", 3)
+    monkeypatch.setattr(delayed_module, "_WARNED_UNSYNCED", False)
+    model = convert_to_float8_training(
+        nn.Sequential(nn.Linear(K, K), nn.Linear(K, N)), config=delayed_config()
+    )
+    with torch.no_grad():  # evaluation is not training: never counted
+        for _ in range(5):
+            model(torch.randn(M, K))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            model(torch.randn(M, K)).sum().backward()
+            if sync:
+                sync_float8_amax_and_scale_history(model)
+    messages = [str(w.message) for w in caught if "without a sync" in str(w.message)]
+    if sync:
+        assert messages == []
+    else:  # once for the process, not once per layer or per call
+        assert len(messages) == 1 and "sync_float8_amax_and_scale_history(model)" in messages[0]
+        assert caught[0].filename == __file__  # points at the caller of the model
 
 
 def test_invalid_combinations_are_refused():
