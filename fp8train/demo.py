@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import math
 import platform
 import time
 from typing import Any
@@ -31,6 +32,7 @@ from fp8train import (
     stats,
 )
 from fp8train.data import batches, eval_batches, load_text_tokens, train_val_split
+from fp8train.gemm import ALIGNMENT
 from fp8train.models import ModelArgs, Transformer, llama_ffn_dim
 
 WARMUP_STEPS = 3
@@ -63,9 +65,26 @@ def _preset_help(text: str, key: str) -> str:
     return f"{text} (default: {PRESETS['cpu'][key]} on the CPU, {PRESETS['cuda'][key]} on CUDA)"
 
 
+def usable_device(name: str) -> torch.device:
+    """The torch device `name`, or an exit that says why it cannot be used here."""
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0]
+        if len(reason) > 160:  # torch's backend errors list every dispatch key: the gist
+            reason = reason.split(". ")[0]
+        default = "cuda" if torch.cuda.is_available() else "the CPU"
+        raise SystemExit(
+            f"fp8train demo: --device {name} cannot be used here ({reason}); leave --device "
+            f"out to run on {default}"
+        ) from None
+    return device
+
+
 def apply_presets(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options left unset with the preset of the run's device type."""
-    preset = PRESETS["cuda" if torch.device(args.device).type == "cuda" else "cpu"]
+    preset = PRESETS["cuda" if usable_device(args.device).type == "cuda" else "cpu"]
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -284,8 +303,49 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Exit with a message that names the option and what to give, for settings the demo
+    cannot run (before a model is built, rather than deep inside a run)."""
+
+    def fail(message: str) -> None:
+        raise SystemExit(f"fp8train demo: {message}")
+
+    for name in ("steps", "batch_size", "seq_len", "dim", "n_layers", "eval_batches"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number")
+    if args.steps <= WARMUP_STEPS:
+        fail(
+            f"--steps {args.steps}: give more than {WARMUP_STEPS}, the warm-up steps left out "
+            "of the step time"
+        )
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        fail(f"--lr {args.lr}: give a positive learning rate")
+    if args.dim % ALIGNMENT:
+        fail(
+            f"--dim {args.dim} is not a multiple of {ALIGNMENT}, which float8 gemms need: "
+            f"give {-(-args.dim // ALIGNMENT) * ALIGNMENT}, for example"
+        )
+    tokens = args.batch_size * args.seq_len
+    if tokens % ALIGNMENT:
+        fail(
+            f"--batch-size {args.batch_size} x --seq-len {args.seq_len} = {tokens} tokens a "
+            f"step, not a multiple of {ALIGNMENT}, which float8's grad_weight gemm needs"
+        )
+
+
+def demo_heads(dim: int) -> int:
+    """Attention heads of the demo's model: head dim 64 as in LLaMA, at least 4 heads, and a
+    count that divides `dim` into even head dims (rotary embeddings rotate pairs). 4 heads
+    always do for a dim that is a multiple of 16."""
+    heads = max(4, dim // 64)
+    while dim % heads or (dim // heads) % 2:
+        heads -= 1
+    return heads
+
+
 def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
     args = apply_presets(args)
+    check_args(args)
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     print(f"device: {device_name(device)} | torch {torch.__version__} | fp8train {__version__}")
@@ -298,7 +358,7 @@ def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     model_args = ModelArgs(
         dim=args.dim, n_layers=args.n_layers, ffn_dim=llama_ffn_dim(args.dim),
-        n_heads=max(4, args.dim // 64),  # head dim 64 as in LLaMA, at least 4 heads
+        n_heads=demo_heads(args.dim),
         max_seq_len=args.seq_len,
     )  # fmt: skip
     torch.manual_seed(args.seed)

@@ -52,6 +52,41 @@ def test_main_demo_prints_table_of_both_runs(capsys: pytest.CaptureFixture[str])
     assert [line.split(" | ")[0] for line in table[1:]] == ["| high precision", "| float8"]
 
 
+def _replace(argv: list[str], option: str, value: str) -> list[str]:
+    argv = list(argv)
+    if option in argv:
+        argv[argv.index(option) + 1] = value
+    else:
+        argv += [option, value]
+    return argv
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [
+        ("--steps", "3", "--steps 3: give more than 3"),
+        ("--batch-size", "0", "--batch-size 0: give a positive number"),
+        ("--dim", "40", "--dim 40 is not a multiple of 16, which float8 gemms need: give 48"),
+        ("--seq-len", "15", "2 x --seq-len 15 = 30 tokens a step, not a multiple of 16"),
+        ("--lr", "nan", "--lr nan: give a positive learning rate"),
+        ("--device", "nodevice", "--device nodevice cannot be used here"),
+        ("--device", "cuda:99", "--device cuda:99 cannot be used here"),
+    ],
+)
+def test_demo_refuses_settings_it_cannot_run_naming_the_option(option, value, match):
+    with pytest.raises(SystemExit, match=match):
+        main(["demo", *_replace(TINY, option, value)])
+
+
+@pytest.mark.parametrize("dim", [16, 48, 1040, 4096])
+def test_demo_heads_divide_any_dim_of_16s_into_even_head_dims(dim):
+    from fp8train.demo import demo_heads
+
+    heads = demo_heads(dim)
+    assert heads >= 4 and dim % heads == 0 and (dim // heads) % 2 == 0
+    ModelArgs(dim=dim, n_heads=heads)  # its own checks pass
+
+
 def test_demo_stats_prints_the_casts_of_every_float8_layer(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
