@@ -261,7 +261,7 @@ def note_unsynced_call(module: nn.Module, fqn: str) -> None:
     tensor's own amax, as dynamic scaling does (right, but with delayed scaling's costs and
     none of its gains), and no amax history is kept."""
     global _WARNED_UNSYNCED
-    calls = module._fp8_unsynced_calls
+    calls = getattr(module, "_fp8_unsynced_calls", -1)  # -1: a layer pickled before it existed
     if calls < 0:
         return
     module._fp8_unsynced_calls = calls + 1
