@@ -58,7 +58,8 @@ from fp8train import (
     sync_float8_amax_and_scale_history,
 )
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
-from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize
+from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize, usable_device
+from fp8train.gemm import ALIGNMENT
 from fp8train.models import (
     ModelArgs,
     Transformer,
@@ -383,7 +384,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    preset = PRESETS[args.preset or ("h200" if args.device.startswith("cuda") else "cpu")]
+    device = usable_device(args.device, "train-llama")
+    preset = PRESETS[args.preset or ("h200" if device.type == "cuda" else "cpu")]
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -393,6 +395,15 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             args.configs.append("torchao-tensorwise")
     if "bf16" not in args.configs:  # every run is compared with a baseline of its seed
         args.configs = ["bf16", *args.configs]
+    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    tokens = args.batch_size * args.seq_len
+    if tokens % ALIGNMENT and any(config != "bf16" for config in args.configs):
+        raise SystemExit(
+            f"--batch-size {args.batch_size} x --seq-len {args.seq_len} = {tokens} tokens a "
+            f"micro-batch, not a multiple of {ALIGNMENT}, which float8's grad_weight gemm needs"
+        )
     if args.warmup_steps is not None and not 1 <= args.warmup_steps <= args.steps:
         raise SystemExit(
             f"--warmup-steps {args.warmup_steps}: give 1 to --steps ({args.steps}), or leave it "

@@ -65,8 +65,9 @@ def _preset_help(text: str, key: str) -> str:
     return f"{text} (default: {PRESETS['cpu'][key]} on the CPU, {PRESETS['cuda'][key]} on CUDA)"
 
 
-def usable_device(name: str) -> torch.device:
-    """The torch device `name`, or an exit that says why it cannot be used here."""
+def usable_device(name: str, command: str = "demo") -> torch.device:
+    """The torch device `name`, or an exit (naming the CLI `command`) that says why it cannot
+    be used here."""
     try:
         device = torch.device(name)
         torch.empty(1, device=device)
@@ -76,7 +77,7 @@ def usable_device(name: str) -> torch.device:
             reason = reason.split(". ")[0]
         default = "cuda" if torch.cuda.is_available() else "the CPU"
         raise SystemExit(
-            f"fp8train demo: --device {name} cannot be used here ({reason}); leave --device "
+            f"fp8train {command}: --device {name} cannot be used here ({reason}); leave --device "
             f"out to run on {default}"
         ) from None
     return device

@@ -449,6 +449,25 @@ def test_warmup_steps_set_the_learning_rate_ramp_and_refuse_a_ramp_outside_the_r
             run(tmp_path, "--configs", "bf16", "--steps", "3", "--warmup-steps", bad)
 
 
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--steps", "0"], "--steps 0: give 1 or more"),
+        (["--grad-accum", "0"], "--grad-accum 0: give 1 or more"),
+        (["--seq-len", "5"], "--batch-size 4 x --seq-len 5 = 20 tokens a micro-batch"),
+        (["--device", "nodevice"], "train-llama: --device nodevice cannot be used here"),
+    ],
+)
+def test_settings_the_run_cannot_take_exit_naming_the_option(tmp_path, argv, match):
+    with pytest.raises(SystemExit, match=match):
+        run(tmp_path, "--configs", "bf16", "tensorwise", *argv)
+
+
+def test_a_bf16_only_run_takes_any_token_count(tmp_path):
+    rows = run(tmp_path, "--configs", "bf16", "--seq-len", "5", "--steps", "2")
+    assert len(rows) == 1 and len(rows[0]["losses"]) == 2
+
+
 def test_loss_curves_name_the_baseline_by_its_dtype():
     rows = [{"config": c, "seed": 3} for c in ("bf16", "bf16-nudged", "tensorwise")]
     assert [e2e_report.curve_label(r, "fp32", False) for r in rows] == [
