@@ -25,7 +25,6 @@ import ast
 import copy
 import gc
 import json
-import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -59,6 +58,7 @@ from fp8train import (
 )
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize, usable_device
+from fp8train.demo import lr_at as demo_lr_at
 from fp8train.gemm import ALIGNMENT
 from fp8train.models import (
     ModelArgs,
@@ -239,12 +239,8 @@ def mixed_precision(args: argparse.Namespace):  # noqa: ANN201
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up over --warmup-steps (default: 5% of the steps), then cosine decay to
-    10%."""
-    warmup = args.warmup_steps or max(1, args.steps // 20)
-    if step < warmup:
-        return args.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, args.steps - warmup)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+    10% (the demo's schedule)."""
+    return demo_lr_at(step, args.steps, args.lr, args.warmup_steps)
 
 
 def optimizer_and_update(model: nn.Module, args: argparse.Namespace):  # noqa: ANN201

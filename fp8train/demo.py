@@ -230,6 +230,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def lr_at(step: int, steps: int, lr: float, warmup_steps: int | None = None) -> float:
+    """The learning rate of `step` (from 0) of `steps`: a linear warm-up over `warmup_steps`
+    (default: 5% of the steps), then cosine decay to 10% of `lr`. Without the warm-up, the
+    GPU preset's high-precision model spikes in its first steps and ends several percent
+    behind the float8 one, whose saturating casts bound the spike: a gap that is not
+    float8's."""
+    warmup = warmup_steps or max(1, steps // 20)
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
 def train_run(
     name: str,
     model: nn.Module,
@@ -249,12 +262,15 @@ def train_run(
     losses: list[float] = []
     step_times: list[float] = []
     progress = tqdm(range(args.steps), desc=name, disable=args.quiet, leave=False)
-    for _ in progress:
+    for step in progress:
         inputs, targets = (t.to(device) for t in next(stream))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
         synchronize(device)
         start = time.perf_counter()
         loss = lm_loss(forward, inputs, targets)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # also waits for the step on CUDA

@@ -22,6 +22,7 @@ from fp8train.data import (
 )
 from fp8train.demo import (
     add_demo_arguments,
+    lr_at,
     run_demo,
     saved_activation_bytes,
     speed_note,
@@ -110,6 +111,39 @@ def test_run_demo_rows() -> None:
     assert hp["float8_linears"] == 0 and hp["gap_pct"] is None
     assert fp8["float8_linears"] == 7  # 4 attention + 3 feed-forward; not the lm_head
     assert math.isfinite(fp8["gap_pct"])
+
+
+def test_demo_learning_rate_warms_up_then_decays_to_a_tenth() -> None:
+    assert lr_at(0, 300, 1e-3) == pytest.approx(1e-3 / 15)  # warm-up: 5% of the steps
+    assert lr_at(14, 300, 1e-3) == pytest.approx(1e-3)
+    assert lr_at(15, 300, 1e-3) == pytest.approx(1e-3)  # the cosine, from the top
+    assert lr_at(299, 300, 1e-3) == pytest.approx(1e-4, rel=1e-3)
+    assert lr_at(0, 300, 1e-3, warmup_steps=30) == pytest.approx(1e-3 / 30)
+    assert lr_at(0, 5, 1.0) == pytest.approx(1.0)  # at least one warm-up step
+    lrs = [lr_at(step, 300, 1e-3) for step in range(15, 300)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_demo_clips_each_steps_gradients_and_sets_its_learning_rate(monkeypatch) -> None:
+    clipped, lrs = [], []
+    clip = torch.nn.utils.clip_grad_norm_
+    step = torch.optim.AdamW.step
+
+    def recording_clip(params, max_norm, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        clipped.append(max_norm)
+        return clip(params, max_norm, *args, **kwargs)
+
+    def recording_step(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        lrs.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    args = demo_args(TINY)
+    run_demo(args)
+    steps = len(lrs) // 2
+    assert clipped == [1.0] * len(lrs) and steps == 6
+    assert lrs[:steps] == lrs[steps:] == [lr_at(i, steps, args.lr) for i in range(steps)]
 
 
 def test_to_float8_keeps_lm_head() -> None:
