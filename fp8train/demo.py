@@ -100,7 +100,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", type=int, help=_preset_help("tokens per sequence", "seq_len"))
     add("--dim", type=int, help=_preset_help("model dim, a multiple of 16", "dim"))
     add("--n-layers", type=int, help=_preset_help("transformer blocks", "n_layers"))
-    add("--lr", type=float, help=_preset_help("AdamW learning rate", "lr"))
+    add(
+        "--lr",
+        type=float,
+        help=_preset_help(
+            "peak AdamW learning rate (5%% warm-up, then cosine decay to a tenth)", "lr"
+        ),
+    )
     add("--seed", type=int, default=0, help="seed of weights and batches (default: %(default)s)")
     add("--device", default=default_device, help="torch device (default: %(default)s)")
     add(
