@@ -57,9 +57,15 @@ from fp8train import (
     sync_float8_amax_and_scale_history,
 )
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
-from fp8train.demo import DTYPES, evaluate, lm_loss, synchronize, usable_device
+from fp8train.demo import (
+    DTYPES,
+    evaluate,
+    lm_loss,
+    misaligned_tokens,
+    synchronize,
+    usable_device,
+)
 from fp8train.demo import lr_at as demo_lr_at
-from fp8train.gemm import ALIGNMENT
 from fp8train.models import (
     ModelArgs,
     Transformer,
@@ -394,12 +400,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
-    tokens = args.batch_size * args.seq_len
-    if tokens % ALIGNMENT and any(config != "bf16" for config in args.configs):
-        raise SystemExit(
-            f"--batch-size {args.batch_size} x --seq-len {args.seq_len} = {tokens} tokens a "
-            f"micro-batch, not a multiple of {ALIGNMENT}, which float8's grad_weight gemm needs"
-        )
+    problem = misaligned_tokens(args.batch_size, args.seq_len, "micro-batch")
+    if problem and any(config != "bf16" for config in args.configs):
+        raise SystemExit(problem)
     if args.warmup_steps is not None and not 1 <= args.warmup_steps <= args.steps:
         raise SystemExit(
             f"--warmup-steps {args.warmup_steps}: give 1 to --steps ({args.steps}), or leave it "

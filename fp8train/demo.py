@@ -348,12 +348,20 @@ def check_args(args: argparse.Namespace) -> None:
             f"--dim {args.dim} is not a multiple of {ALIGNMENT}, which float8 gemms need: "
             f"give {-(-args.dim // ALIGNMENT) * ALIGNMENT}, for example"
         )
-    tokens = args.batch_size * args.seq_len
-    if tokens % ALIGNMENT:
-        fail(
-            f"--batch-size {args.batch_size} x --seq-len {args.seq_len} = {tokens} tokens a "
-            f"step, not a multiple of {ALIGNMENT}, which float8's grad_weight gemm needs"
-        )
+    if problem := misaligned_tokens(args.batch_size, args.seq_len, "step"):
+        fail(problem)
+
+
+def misaligned_tokens(batch_size: int, seq_len: int, per: str) -> str | None:
+    """What is wrong with --batch-size x --seq-len tokens a `per` (step, micro-batch) for
+    float8's grad_weight gemm, whose inner dim they are; None where they fit it."""
+    tokens = batch_size * seq_len
+    if tokens % ALIGNMENT == 0:
+        return None
+    return (
+        f"--batch-size {batch_size} x --seq-len {seq_len} = {tokens} tokens a {per}, not a "
+        f"multiple of {ALIGNMENT}, which float8's grad_weight gemm needs"
+    )
 
 
 def demo_heads(dim: int) -> int:
