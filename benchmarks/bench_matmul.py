@@ -7,8 +7,10 @@ same three gemms in bf16.
     output      (M, K) x (K, N)     grad_input  (M, N) x (N, K)     grad_weight  (N, M) x (M, K)
 
 fp8 uses tensorwise scales, e4m3 operands and an e5m2 grad_output, fast accumulation for the
-output gemm only, as Float8Linear does. Where torch's block-scaled gemm runs (sm90, CUDA >=
-12.9), the blockwise recipe's three gemms are timed too (blockwise_* columns). pct_fp8_peak:
+output gemm only, as Float8Linear does by default; the fast_accum_* columns time the same
+gemms with fast accumulation in all three (Float8GemmConfig(use_fast_accum=True) for
+grad_input and grad_weight too). Where torch's block-scaled gemm runs (sm90, CUDA >= 12.9), the
+blockwise recipe's three gemms are timed too (blockwise_* columns). pct_fp8_peak:
 6*M*K*N FLOPs over the float8 time as a share of --fp8-peak-tflops (default 1979 on H100/H200).
 """
 
@@ -49,12 +51,20 @@ def three_gemms(m: int, k: int, n: int, device: str, hp_dtype: torch.dtype) -> d
     x8_cm = to_float8(x, E4M3, column_major=True)
     one = torch.ones((), device=device)
 
-    def fp8() -> None:
+    def fp8(fast_backward: bool = False) -> None:
         torch._scaled_mm(x8._data, w8._data.t(), one, one, out_dtype=hp_dtype, use_fast_accum=True)
-        torch._scaled_mm(g8._data, w8_cm._data, one, one, out_dtype=hp_dtype)
-        torch._scaled_mm(g8_cm._data.t(), x8_cm._data, one, one, out_dtype=hp_dtype)
+        torch._scaled_mm(
+            g8._data, w8_cm._data, one, one, out_dtype=hp_dtype, use_fast_accum=fast_backward
+        )
+        torch._scaled_mm(
+            g8_cm._data.t(), x8_cm._data, one, one, out_dtype=hp_dtype, use_fast_accum=fast_backward
+        )
 
-    times = {"hp": median_time_s(hp, device), "fp8": median_time_s(fp8, device)}
+    times = {
+        "hp": median_time_s(hp, device),
+        "fp8": median_time_s(fp8, device),
+        "fast_accum": median_time_s(lambda: fp8(fast_backward=True), device),
+    }
     blockwise = blockwise_gemms(x, w, g)
     if blockwise is not None:
         times["blockwise"] = median_time_s(blockwise, device)
@@ -116,6 +126,8 @@ def main() -> None:
                 "hp_tflops": flops / t["hp"] / 1e12,
                 "fp8_tflops": flops / t["fp8"] / 1e12,
                 "pct_fp8_peak": 100 * flops / t["fp8"] / (peak * 1e12) if peak else None,
+                "fast_accum_time_sec": t["fast_accum"],
+                "fast_accum_speedup": t["hp"] / t["fast_accum"],
             }
         )
         if "blockwise" in t:  # torch's block-scaled gemm (sm90): the blockwise recipe's floor
@@ -124,7 +136,9 @@ def main() -> None:
     print(markdown_table(rows, list(dict.fromkeys(key for row in rows for key in row))))
     print(
         f"\ngeometric mean fp8_speedup: "
-        f"{statistics.geometric_mean(r['fp8_speedup'] for r in rows):.3f}x"
+        f"{statistics.geometric_mean(r['fp8_speedup'] for r in rows):.3f}x; "
+        f"with fast accumulation in all three gemms "
+        f"{statistics.geometric_mean(r['fast_accum_speedup'] for r in rows):.3f}x"
     )
     if args.csv:
         write_csv(rows, args.csv)

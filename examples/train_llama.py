@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -51,6 +52,7 @@ from examples.e2e_report import (
 from fp8train import (
     CastConfig,
     DelayedScalingConfig,
+    Float8GemmConfig,
     Float8LinearConfig,
     cast_weights_once,
     convert_to_float8_training,
@@ -123,6 +125,9 @@ CONFIGS = (
     "tensorwise-float8-swiglu-exact",  # the same, SwiGLU's output from its bf16 inputs
     # the fastest recipe with the exact float8 SwiGLU: the one config under the memory goal
     "tensorwise-delayed-one-pass-tied-float8-swiglu-exact",
+    # fast accumulation in the backward gemms too (FAST_ACCUM_SUFFIX)
+    "tensorwise-fast-accum",
+    "tensorwise-delayed-one-pass-tied-fast-accum",
     "rowwise",
     "rowwise_with_gw_hp",
     "blockwise",
@@ -132,6 +137,10 @@ CONFIGS = (
 SWIGLU_SUFFIXES = ("-float8-swiglu-exact", "-float8-swiglu")
 """A config ending in one of these is the config before it with float8_swiglu (exact_forward
 for the first)."""
+FAST_ACCUM_SUFFIX = "-fast-accum"
+"""A config ending in this is the config before it with Hopper's fast accumulation in the
+grad_input and grad_weight gemms too, not only the output gemm (faster, less exact sums)."""
+FAST_ACCUM = Float8GemmConfig(use_fast_accum=True)
 WARMUP_STEPS = 5
 """Steps left out of tokens/s (compilation, the allocator's growth, delayed scaling's switch to
 recorded scales), each waited for; the steps after them run back to back and are timed
@@ -177,6 +186,8 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return torchao_float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=keep_lm_head
         )
+    fast_accum = name.endswith(FAST_ACCUM_SUFFIX)
+    name = name.removesuffix(FAST_ACCUM_SUFFIX)
     swiglu = next((s for s in SWIGLU_SUFFIXES if name.endswith(s)), None)
     if swiglu is not None:  # SwiGLU's inputs in float8 on top of the config before the suffix
         use_float8_swiglu(model, exact_forward=swiglu.endswith("-exact"))
@@ -203,6 +214,10 @@ def convert(model: nn.Module, name: str) -> nn.Module:
     else:
         config = Float8LinearConfig.from_recipe_name(name)
     config = with_pass_variant(config, variant)
+    if fast_accum:
+        config = dataclasses.replace(
+            config, gemm_config_grad_input=FAST_ACCUM, gemm_config_grad_weight=FAST_ACCUM
+        )
     inductor_pass_as(config)  # process-wide: an earlier run may have installed another
     model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
     return tie_shared_delayed_inputs(model) if "-tied" in name else model

@@ -280,7 +280,9 @@ def test_bench_matmul_runs_a_tiny_shape_on_the_cpu(capsys, monkeypatch):
         "sys.argv", ["bench_matmul", "--device", "cpu", "--shape", "32", "32", "32"]
     )
     bench_matmul.main()
-    assert "fp8_tflops" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fp8_tflops" in out and "fast_accum_speedup" in out
+    assert "with fast accumulation in all three gemms" in out
 
 
 def test_csv_holds_the_columns_of_every_row(tmp_path):

@@ -4,6 +4,7 @@ the plot are written, gradient accumulation and activation checkpointing run; an
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import json
 
@@ -81,6 +82,37 @@ def test_a_float8_swiglu_suffix_adds_float8_swiglu_to_the_config_before_it():
     )
     assert rounded.float8_swiglu and not rounded.float8_swiglu_exact_forward
     assert rounded.w1.config.cast_config_input.scaling_type is ScalingType.DYNAMIC
+
+
+def test_a_fast_accum_suffix_turns_on_fast_accumulation_in_the_backward_gemms_only():
+    from fp8train import Float8Linear
+    from fp8train.config import ScalingType
+    from fp8train.models import ModelArgs, Transformer
+
+    def linear_config(name: str):  # noqa: ANN202
+        model = train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
+        return next(m for m in model.modules() if isinstance(m, Float8Linear)).config
+
+    fast = linear_config("tensorwise-delayed-one-pass-tied-fast-accum")
+    assert fast.gemm_config_output.use_fast_accum
+    assert fast.gemm_config_grad_input.use_fast_accum
+    assert fast.gemm_config_grad_weight.use_fast_accum
+    # Everything else is the config before the suffix.
+    base = linear_config("tensorwise-delayed-one-pass-tied")
+    assert fast.cast_config_input.scaling_type is ScalingType.DELAYED
+    assert (
+        dataclasses.replace(
+            fast,
+            gemm_config_grad_input=base.gemm_config_grad_input,
+            gemm_config_grad_weight=base.gemm_config_grad_weight,
+        )
+        == base
+    )
+    plain = linear_config("tensorwise")
+    assert plain.gemm_config_output.use_fast_accum
+    assert not plain.gemm_config_grad_input.use_fast_accum
+    assert not plain.gemm_config_grad_weight.use_fast_accum
+    assert linear_config("tensorwise-fast-accum").gemm_config_grad_weight.use_fast_accum
 
 
 def test_several_seeds_compare_each_run_with_the_baseline_of_its_seed(tmp_path, capsys):
