@@ -67,6 +67,7 @@ from benchmarks.utils import (
 )
 from fp8train import (
     DelayedScalingConfig,
+    Float8GemmConfig,
     Float8Linear,
     Float8LinearConfig,
     Float8LinearRecipeName,
@@ -157,6 +158,13 @@ COMPILED_CASTS = {"kernels": True, "kernels-no-input": ("weight", "grad_output")
 """--compiled-casts choices besides inductor's: Float8LinearConfig.compiled_cast_kernels."""
 
 
+def with_fast_backward(config, gemm_config_type):  # noqa: ANN001, ANN201
+    """`config` (fp8train's or torchao.float8's Float8LinearConfig, which name these fields
+    alike) with fast accumulation in the grad_input and grad_weight gemms too."""
+    fast = gemm_config_type(use_fast_accum=True)
+    return dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
+
+
 def bench_shape(
     name,
     m,
@@ -171,13 +179,16 @@ def bench_shape(
     cast_kernels=None,
     compile_mode="default",
     saturation="satfinite",
+    fast_backward=False,
 ):  # noqa: ANN001, ANN201, PLR0913
     """One row; `cast_kernels`: a key of COMPILED_CASTS, or None for inductor's casts;
     `compile_mode`: torch.compile's mode for every layer of a compiled row; `saturation`:
     "clamp" compiles fp8train's casts as inductor writes them, with their clamp and float
     amaxes (Float8LinearConfig.compiled_satfinite and compiled_integer_amax off,
     fp8train.inductor's pass uninstalled); "float-amax" without the integer amaxes only
-    (compiled_integer_amax off); "satfinite" and "integer-amax" are the defaults (both on)."""
+    (compiled_integer_amax off); "satfinite" and "integer-amax" are the defaults (both on).
+    `fast_backward`: fast accumulation in the grad_input and grad_weight gemms too, for
+    fp8train and torchao.float8 alike (recipe "+fast-accum")."""
     torch.manual_seed(0)
     ref = nn.Linear(k, n, bias=False, device=device, dtype=ref_dtype)
     if scaling.startswith("delayed"):
@@ -195,16 +206,22 @@ def bench_shape(
     config = with_pass_variant(config, saturation)
     if saturation != "satfinite":
         recipe = f"{recipe}+{saturation}"
+    torchao_recipe = recipe
+    if fast_backward:
+        config = with_fast_backward(config, Float8GemmConfig)
+        recipe = f"{recipe}+fast-accum"
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
     inductor_pass_as(config)  # a layer of an earlier row may have installed another
     layers = {"ref": ref, "fp8": fp8_layer}
     # torchao.float8's rowwise recipes need CUDA's rowwise scaled gemm: on another device
     # only its tensorwise recipe runs beside ours.
-    torchao_runs = recipe in TORCHAO_RECIPES and (
-        torch.device(device).type == "cuda" or recipe == "tensorwise"
+    torchao_runs = torchao_recipe in TORCHAO_RECIPES and (
+        torch.device(device).type == "cuda" or torchao_recipe == "tensorwise"
     )
     if torchao_float8 is not None and torchao_runs:
-        ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
+        ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(torchao_recipe)
+        if fast_backward:
+            ao_config = with_fast_backward(ao_config, torchao_float8.Float8GemmConfig)
         layers["torchao"] = torchao_float8.convert_to_float8_training(
             nn.Sequential(copy.deepcopy(ref)), config=ao_config
         )
@@ -403,6 +420,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "hosts an eager float8 layer's backward costs twice the host time on the engine's "
         "thread (docs/speed.md)",
     )
+    parser.add_argument(
+        "--backward-accum",
+        nargs="+",
+        default=["exact"],
+        choices=["exact", "fast"],
+        help="accumulation of the grad_input and grad_weight gemms: exact (the default "
+        "config's) or fast (Float8GemmConfig(use_fast_accum=True), recipe '+fast-accum'), for "
+        "fp8train and torchao.float8 alike; the output gemm has fast accumulation in both",
+    )
     parser.add_argument("--csv")
     parser.add_argument("--plot", help="write a PNG of the speedups to this path")
 
@@ -447,8 +473,12 @@ def _main(args: argparse.Namespace, inductor: dict) -> None:
     kernels = [casts if casts in COMPILED_CASTS else None for casts in args.compiled_casts]
     modes = [(False, "default")] * (False in compiled)
     modes += [(True, mode) for mode in args.compile_mode] * (True in compiled)
-    for (name, (m, k, n)), ref, (c, mode), r, (recipe, scaling), kern, sat in itertools.product(
-        shapes.items(), ref_names, modes, recompute, recipes, kernels, args.saturation
+    fast = [accum == "fast" for accum in args.backward_accum]
+    for (name, (m, k, n)), ref, (c, mode), r, (
+        recipe,
+        scaling,
+    ), kern, sat, fast_backward in itertools.product(
+        shapes.items(), ref_names, modes, recompute, recipes, kernels, args.saturation, fast
     ):
         if kern and not (c and recipe == "tensorwise"):
             continue  # eager casts are the kernels already; rowwise casts stay inductor's
@@ -456,8 +486,21 @@ def _main(args: argparse.Namespace, inductor: dict) -> None:
             continue  # eager mode has no inductor pass
         rows.append(
             bench_shape(
-                name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling, kern, mode, sat
-            )
+                name,
+                m,
+                k,
+                n,
+                dtypes[ref],
+                c,
+                r,
+                recipe,
+                args.device,
+                scaling,
+                kern,
+                mode,
+                sat,
+                fast_backward,
+            )  # fmt: skip
         )
         # One line per row as it is timed, so that a run cut short still shows its rows.
         print(", ".join(f"{key}={value}" for key, value in rows[-1].items()), flush=True)

@@ -133,6 +133,7 @@ CONFIGS = (
     "blockwise",
     "torchao-tensorwise",
     "torchao-rowwise",
+    "torchao-tensorwise-fast-accum",
 )
 SWIGLU_SUFFIXES = ("-float8-swiglu-exact", "-float8-swiglu")
 """A config ending in one of these is the config before it with float8_swiglu (exact_forward
@@ -179,15 +180,20 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         return model
     if name == "bf16-nudged":
         return nudge(model)
+    fast_accum = name.endswith(FAST_ACCUM_SUFFIX)
+    name = name.removesuffix(FAST_ACCUM_SUFFIX)
     if name.startswith("torchao-"):
         ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(
             name.removeprefix("torchao-")
         )
+        if fast_accum:
+            fast = torchao_float8.Float8GemmConfig(use_fast_accum=True)
+            ao_config = dataclasses.replace(
+                ao_config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast
+            )
         return torchao_float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=keep_lm_head
         )
-    fast_accum = name.endswith(FAST_ACCUM_SUFFIX)
-    name = name.removesuffix(FAST_ACCUM_SUFFIX)
     swiglu = next((s for s in SWIGLU_SUFFIXES if name.endswith(s)), None)
     if swiglu is not None:  # SwiGLU's inputs in float8 on top of the config before the suffix
         use_float8_swiglu(model, exact_forward=swiglu.endswith("-exact"))

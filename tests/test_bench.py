@@ -179,6 +179,29 @@ def test_bench_linear_times_every_recipe(capsys):
         assert any(f"| {recipe.value} |" in row for row in rows), recipe
 
 
+def test_bench_linear_times_fast_backward_accumulation_for_fp8train_and_torchao_alike(
+    capsys, monkeypatch
+):
+    from benchmarks import bench_linear
+
+    made = []
+    real = bench_linear.with_fast_backward
+    monkeypatch.setattr(
+        bench_linear, "with_fast_backward", lambda *a: made.append(real(*a)) or made[-1]
+    )
+    argv = ["bench-linear", "--device", "cpu", "--shape", "32", "32", "32", "--compile", "off"]
+    main([*argv, "--backward-accum", "exact", "fast"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| custom0")]
+    assert [row.split(" | ")[6] for row in rows] == ["tensorwise", "tensorwise+fast-accum"]
+    # Only the fast row changes configs: fp8train's, and torchao.float8's where importable.
+    assert len(made) == (2 if bench_linear.torchao_float8 is not None else 1)
+    for config in made:
+        assert config.gemm_config_output.use_fast_accum
+        assert config.gemm_config_grad_input.use_fast_accum
+        assert config.gemm_config_grad_weight.use_fast_accum
+    assert isinstance(made[0], bench_linear.Float8LinearConfig)
+
+
 def test_bench_linear_times_compiled_cast_kernels_for_weight_and_grad_output(capsys):
     """A compiled row with the cast kernels for the weight and grad_output only (on the CPU
     the kernels' ops trace into the torch path)."""

@@ -115,6 +115,21 @@ def test_a_fast_accum_suffix_turns_on_fast_accumulation_in_the_backward_gemms_on
     assert linear_config("tensorwise-fast-accum").gemm_config_grad_weight.use_fast_accum
 
 
+def test_torchao_with_a_fast_accum_suffix_gets_fast_accumulation_alike():
+    torchao_float8 = pytest.importorskip("torchao.float8")
+    from fp8train.models import ModelArgs, Transformer
+
+    def linear_config(name: str):  # noqa: ANN202
+        model = train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
+        kind = torchao_float8.float8_linear.Float8Linear
+        return next(m for m in model.modules() if isinstance(m, kind)).config
+
+    fast = linear_config("torchao-tensorwise-fast-accum")
+    assert fast.gemm_config_grad_input.use_fast_accum
+    assert fast.gemm_config_grad_weight.use_fast_accum
+    assert not linear_config("torchao-tensorwise").gemm_config_grad_weight.use_fast_accum
+
+
 def test_several_seeds_compare_each_run_with_the_baseline_of_its_seed(tmp_path, capsys):
     from examples.e2e_report import summarize
 
