@@ -128,6 +128,7 @@ CONFIGS = (
     # fast accumulation in the backward gemms too (FAST_ACCUM_SUFFIX)
     "tensorwise-fast-accum",
     "tensorwise-delayed-one-pass-tied-fast-accum",
+    "tensorwise-delayed-one-pass-tied-float8-swiglu-exact-fast-accum",
     "rowwise",
     "rowwise_with_gw_hp",
     "blockwise",

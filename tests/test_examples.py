@@ -87,7 +87,7 @@ def test_a_float8_swiglu_suffix_adds_float8_swiglu_to_the_config_before_it():
 def test_a_fast_accum_suffix_turns_on_fast_accumulation_in_the_backward_gemms_only():
     from fp8train import Float8Linear
     from fp8train.config import ScalingType
-    from fp8train.models import ModelArgs, Transformer
+    from fp8train.models import FeedForward, ModelArgs, Transformer
 
     def linear_config(name: str):  # noqa: ANN202
         model = train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
@@ -113,6 +113,12 @@ def test_a_fast_accum_suffix_turns_on_fast_accumulation_in_the_backward_gemms_on
     assert not plain.gemm_config_grad_input.use_fast_accum
     assert not plain.gemm_config_grad_weight.use_fast_accum
     assert linear_config("tensorwise-fast-accum").gemm_config_grad_weight.use_fast_accum
+    both = "tensorwise-delayed-one-pass-tied-float8-swiglu-exact-fast-accum"
+    assert both in train_llama.CONFIGS
+    assert linear_config(both) == fast
+    model = train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), both)
+    ffn = next(m for m in model.modules() if isinstance(m, FeedForward))
+    assert ffn.float8_swiglu and ffn.float8_swiglu_exact_forward
 
 
 def test_torchao_with_a_fast_accum_suffix_gets_fast_accumulation_alike():
