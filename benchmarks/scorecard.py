@@ -2,6 +2,7 @@
 benchmarks, then score each goal of the speed, memory and end-to-end issues.
 
     python -m benchmarks.scorecard --out DIR [--parts linear memory e2e] [--quick] [--tuned]
+                                   [--backward-accum fast]
     python -m benchmarks.scorecard --out DIR --score-only     # score what DIR already holds
 
 Each part runs as its own process (its stdout in DIR/PART.txt, its figures in DIR/PART.csv
@@ -17,7 +18,10 @@ is the opt-in exact float8 SwiGLU, which changes the model's feed-forward module
 end-to-end loss row is one seed's, which tests nothing about a 0.5% parity (runs of that
 model scatter by percents): it is shown, never scored. --quick runs every part small, on the
 CPU when there is no GPU: a check that the commands and the scoring work, not a
-measurement.
+measurement. --backward-accum fast runs every float8 config, torchao.float8's too, with fast
+accumulation in the grad_input and grad_weight gemms (an opt-in of both libraries; the
+default is exact): the per-layer rows as recipe "tensorwise+fast-accum", the end-to-end
+configs with the suffix "-fast-accum"; the scores name it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.utils import environment, markdown_table
+from examples.train_llama import FAST_ACCUM_SUFFIX
 
 ROOT = Path(__file__).resolve().parent.parent  # the parts run as modules from here
 PARTS = ("linear", "memory", "e2e")
@@ -54,15 +59,18 @@ def _torchao_importable() -> bool:
     return True
 
 
-def commands(out: Path, quick: bool, device: str, tuned: bool = False) -> dict[str, list[str]]:
+def commands(
+    out: Path, quick: bool, device: str, tuned: bool = False, fast_backward: bool = False
+) -> dict[str, list[str]]:
     """The command of each part, as it runs from the repository root."""
     py = [sys.executable, "-m"]
     linear = [*py, "benchmarks.bench_linear", "--device", device, "--csv", str(out / "linear.csv")]
     memory = [*py, "benchmarks.bench_memory", "--device", device, "--csv", str(out / "memory.csv")]
     e2e = [*py, "examples.train_llama", "--device", device, "--json", str(out / "e2e.json")]
-    e2e += ["--quiet", "--configs", *E2E_CONFIGS]
-    if _torchao_importable():
-        e2e.append("torchao-tensorwise")
+    configs = list(E2E_CONFIGS) + ["torchao-tensorwise"] * _torchao_importable()
+    if fast_backward:
+        configs = [c if c == "bf16" else f"{c}{FAST_ACCUM_SUFFIX}" for c in configs]
+    e2e += ["--quiet", "--configs", *configs]
     if quick:
         linear += ["--compile", "off", "--shape", "256", "256", "256"]
         memory += ["--cases", "linear-4096", "--modes", "eager"]
@@ -73,6 +81,8 @@ def commands(out: Path, quick: bool, device: str, tuned: bool = False) -> dict[s
         e2e += ["--plot", str(out / "e2e.png")]
     if tuned:
         e2e += ["--inductor", "coordinate_descent_tuning=True"]
+    if fast_backward:
+        linear += ["--backward-accum", "fast"]
     return {"linear": linear, "memory": memory, "e2e": e2e}
 
 
@@ -108,13 +118,17 @@ def _number(value: str | None) -> float | None:
 
 def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list[Score]:
     """The per-layer goals from bench_linear's CSV: tensorwise rows against bf16 (the CPU's
-    runs: fp32), default compile mode, the default save policy."""
+    runs: fp32), default compile mode, the default save policy; the rows with fast backward
+    accumulation (recipe "tensorwise+fast-accum") where the CSV has no default ones."""
     dtypes = {row["ref_dtype"] for row in rows}
     reference = "bfloat16" if "bfloat16" in dtypes or not dtypes else sorted(dtypes)[0]
+    recipes = {row["recipe"] for row in rows}
+    recipe = "tensorwise" if "tensorwise" in recipes or not recipes else "tensorwise+fast-accum"
+    note = "" if recipe == "tensorwise" else " (fast backward accumulation, both libraries)"
     rows = [
         row
         for row in rows
-        if row["recipe"] == "tensorwise"
+        if row["recipe"] == recipe
         and row["ref_dtype"] == reference
         and row["recompute_weight_cast"] == "True"
         and row.get("compile_mode") in (None, "", "None", "default")
@@ -130,7 +144,7 @@ def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list
         ao_text = f"{statistics.geometric_mean(theirs):.3f}x" if known else "not run"
         scores.append(
             Score(
-                f"per-layer fwd+bwd, {label}, geometric mean over {len(mode)} shapes",
+                f"per-layer fwd+bwd, {label}, geometric mean over {len(mode)} shapes{note}",
                 f">= {goal}x bf16",
                 f"{fp8:.3f}x",
                 ao_text,
@@ -145,7 +159,7 @@ def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list
             slowest = min(versus, key=versus.get)
             scores.append(
                 Score(
-                    "per-layer, compiled, each shape against torchao.float8",
+                    f"per-layer, compiled, each shape against torchao.float8{note}",
                     ">= 1.15x on every shape",
                     f"{min(versus.values()):.3f}-{max(versus.values()):.3f}x (slowest {slowest})",
                     "-",
@@ -159,7 +173,7 @@ def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list
             ao = _number(w13[0].get("torchao_speedup"))
             scores.append(
                 Score(
-                    "per-layer, compiled, ffn.w13",
+                    f"per-layer, compiled, ffn.w13{note}",
                     ">= 1.7x bf16",
                     f"{speedup:.3f}x",
                     f"{ao:.3f}x" if ao is not None else "not run",
@@ -173,7 +187,7 @@ def score_linear(rows: list[dict[str, str]], record: str = "linear.csv") -> list
         where = "compiled" if slowest["compiled"] == "True" else "eager"
         scores.append(
             Score(
-                "with the auto filter on, the slowest layer against bf16",
+                f"with the auto filter on, the slowest layer against bf16{note}",
                 ">= 1x (no layer slower)",
                 f"{value:.3f}x ({slowest['name']}, {where})",
                 "-",
@@ -337,7 +351,8 @@ def main(args: argparse.Namespace) -> None:
         )
     failed = []
     if not args.score_only:
-        for name, command in commands(out, args.quick, device, args.tuned).items():
+        fast_backward = args.backward_accum == "fast"
+        for name, command in commands(out, args.quick, device, args.tuned, fast_backward).items():
             if name in args.parts and run_part(name, command, out) != 0:
                 failed.append(name)
     scores = score(out)
@@ -367,6 +382,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the end-to-end runs with inductor's coordinate descent tuning (every config, bf16 "
         "too; from a cold cache it takes several times longer to compile)",
+    )
+    parser.add_argument(
+        "--backward-accum",
+        choices=["exact", "fast"],
+        default="exact",
+        help="fast: every float8 config (torchao.float8's too) with fast accumulation in the "
+        "grad_input and grad_weight gemms, an opt-in of both libraries (default: exact)",
     )
     parser.add_argument(
         "--score-only", action="store_true", help="run nothing; score what --out holds"

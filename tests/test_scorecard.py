@@ -187,3 +187,37 @@ def test_tuned_end_to_end_runs_pass_the_tuning_to_every_config(tmp_path):
     assert tuned["e2e"][-2:] == ["--inductor", "coordinate_descent_tuning=True"]
     assert tuned["linear"] == plain["linear"] and tuned["memory"] == plain["memory"]
     assert {"--preset", "h200", "--compile"} <= set(plain["e2e"])
+
+
+def test_fast_backward_accumulation_runs_every_float8_config_with_it_and_only_those(tmp_path):
+    from examples.train_llama import CONFIGS
+
+    plain = commands(tmp_path, quick=False, device="cuda")
+    fast = commands(tmp_path, quick=False, device="cuda", fast_backward=True)
+
+    def configs(command: list[str]) -> list[str]:
+        start = command.index("--configs") + 1
+        stop = next(i for i in range(start, len(command)) if command[i].startswith("--"))
+        return command[start:stop]
+
+    assert [c.removesuffix("-fast-accum") for c in configs(fast["e2e"])] == configs(plain["e2e"])
+    assert configs(fast["e2e"])[0] == "bf16"
+    assert all(c.endswith("-fast-accum") for c in configs(fast["e2e"])[1:])
+    assert set(configs(fast["e2e"])) <= set(CONFIGS)  # every name train-llama takes
+    assert fast["linear"] == [*plain["linear"], "--backward-accum", "fast"]
+    assert fast["memory"] == plain["memory"]
+
+
+def test_per_layer_goals_read_the_fast_accumulation_rows_where_there_are_no_default_ones():
+    fast = [
+        linear_row(name, True, speedup, 1.1, recipe="tensorwise+fast-accum")
+        for name, speedup in (("attn.wqkv", 1.3), ("attn.w0", 1.2), ("ffn.w13", 1.9))
+    ]
+    scores = by_what(score_linear(fast))
+    note = " (fast backward accumulation, both libraries)"
+    compiled = scores[f"per-layer fwd+bwd, compiled, geometric mean over 3 shapes{note}"]
+    assert compiled.fp8train == f"{(1.3 * 1.2 * 1.9) ** (1 / 3):.3f}x"
+    assert scores[f"per-layer, compiled, ffn.w13{note}"].met is True
+    # Beside default rows the default rows are scored, under the plain names.
+    both = by_what(score_linear([*fast, linear_row("ffn.w13", True, 1.6, 1.05)]))
+    assert both["per-layer fwd+bwd, compiled, geometric mean over 1 shapes"].fp8train == "1.600x"
