@@ -221,6 +221,36 @@ def test_no_grad_forward_casts_only_for_the_output_gemm(monkeypatch):
     assert torch.equal(evaluated, layer(x.requires_grad_()).detach())
 
 
+@pytest.mark.parametrize("eager_path", ["general", "fast"])
+@pytest.mark.parametrize("backward", ["exact", "fast"])
+def test_each_gemm_runs_with_the_accumulation_its_config_names(monkeypatch, eager_path, backward):
+    """The output gemm accumulates fast by default, the backward gemms exactly; the gemm
+    configs change that per gemm, on the general path and on the eager fast path (switched on
+    for the CPU here) alike."""
+    import fp8train.eager
+    from fp8train import Float8GemmConfig
+
+    if eager_path == "fast":
+        monkeypatch.setattr(fp8train.eager, "EAGER_DEVICES", frozenset({"cpu"}))
+    flags = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, use_fast_accum=False, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        flags.append(use_fast_accum)
+        return scaled_mm(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    gemm = Float8GemmConfig(use_fast_accum=backward == "fast")
+    config = Float8LinearConfig(gemm_config_grad_input=gemm, gemm_config_grad_weight=gemm)
+    layer = Float8Linear(64, 32, bias=False, config=config)
+    x = torch.randn(16, 64, requires_grad=True)
+    out = layer(x)
+    assert layer._takes_eager_path(x) == (eager_path == "fast")
+    assert flags == [True]  # the output gemm
+    out.sum().backward()
+    assert flags[1:] == [backward == "fast"] * 2  # grad_input and grad_weight
+
+
 def test_float8_matmul_is_a_bias_free_float8_linear():
     from fp8train import float8_matmul
 
