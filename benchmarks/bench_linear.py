@@ -62,12 +62,12 @@ from benchmarks.utils import (
     markdown_table,
     median_time_s,
     print_environment,
+    with_fast_backward,
     with_pass_variant,
     write_csv,
 )
 from fp8train import (
     DelayedScalingConfig,
-    Float8GemmConfig,
     Float8Linear,
     Float8LinearConfig,
     Float8LinearRecipeName,
@@ -158,13 +158,6 @@ COMPILED_CASTS = {"kernels": True, "kernels-no-input": ("weight", "grad_output")
 """--compiled-casts choices besides inductor's: Float8LinearConfig.compiled_cast_kernels."""
 
 
-def with_fast_backward(config, gemm_config_type):  # noqa: ANN001, ANN201
-    """`config` (fp8train's or torchao.float8's Float8LinearConfig, which name these fields
-    alike) with fast accumulation in the grad_input and grad_weight gemms too."""
-    fast = gemm_config_type(use_fast_accum=True)
-    return dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-
-
 def bench_shape(
     name,
     m,
@@ -208,7 +201,7 @@ def bench_shape(
         recipe = f"{recipe}+{saturation}"
     torchao_recipe = recipe
     if fast_backward:
-        config = with_fast_backward(config, Float8GemmConfig)
+        config = with_fast_backward(config)
         recipe = f"{recipe}+fast-accum"
     fp8_layer = Float8Linear.from_float(copy.deepcopy(ref), config)
     inductor_pass_as(config)  # a layer of an earlier row may have installed another
@@ -474,34 +467,20 @@ def _main(args: argparse.Namespace, inductor: dict) -> None:
     modes = [(False, "default")] * (False in compiled)
     modes += [(True, mode) for mode in args.compile_mode] * (True in compiled)
     fast = [accum == "fast" for accum in args.backward_accum]
-    for (name, (m, k, n)), ref, (c, mode), r, (
-        recipe,
-        scaling,
-    ), kern, sat, fast_backward in itertools.product(
+    grid = itertools.product(
         shapes.items(), ref_names, modes, recompute, recipes, kernels, args.saturation, fast
-    ):
+    )
+    for (name, (m, k, n)), ref, (c, mode), r, (recipe, scaling), kern, sat, fast_accum in grid:
         if kern and not (c and recipe == "tensorwise"):
             continue  # eager casts are the kernels already; rowwise casts stay inductor's
         if sat != "satfinite" and not c:
             continue  # eager mode has no inductor pass
         rows.append(
             bench_shape(
-                name,
-                m,
-                k,
-                n,
-                dtypes[ref],
-                c,
-                r,
-                recipe,
-                args.device,
-                scaling,
-                kern,
-                mode,
-                sat,
-                fast_backward,
-            )  # fmt: skip
-        )
+                name, m, k, n, dtypes[ref], c, r, recipe, args.device, scaling, kern, mode, sat,
+                fast_accum,
+            )
+        )  # fmt: skip
         # One line per row as it is timed, so that a run cut short still shows its rows.
         print(", ".join(f"{key}={value}" for key, value in rows[-1].items()), flush=True)
     add_peak(rows, peak)

@@ -37,8 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.utils import environment, markdown_table
-from examples.train_llama import FAST_ACCUM_SUFFIX
+from benchmarks.utils import FAST_ACCUM_SUFFIX, environment, markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent  # the parts run as modules from here
 PARTS = ("linear", "memory", "e2e")

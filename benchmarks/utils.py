@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import fp8train
-from fp8train import CastConfig, Float8Linear, Float8LinearConfig
+from fp8train import CastConfig, Float8GemmConfig, Float8Linear, Float8LinearConfig
 from fp8train.toolchain import adopt_torch_ptxas, ptxas_in_use
 
 
@@ -169,6 +169,20 @@ def with_pass_variant(config: Float8LinearConfig, variant: str) -> Float8LinearC
     if variant == "clamp":
         config = dataclasses.replace(config, compiled_satfinite=False)
     return config
+
+
+FAST_ACCUM_SUFFIX = "-fast-accum"
+"""Benchmarks' name for a config with Hopper's fast accumulation in the grad_input and
+grad_weight gemms too, not only the output gemm (faster, less exact sums): train-llama's
+config suffix; bench-linear's recipes carry it as "+fast-accum"."""
+
+
+def with_fast_backward(config, gemm_config_type=Float8GemmConfig):  # noqa: ANN001, ANN201
+    """`config` (fp8train's Float8LinearConfig, or torchao.float8's, which names these fields
+    alike, with its own `gemm_config_type`) with fast accumulation in the grad_input and
+    grad_weight gemms too."""
+    fast = gemm_config_type(use_fast_accum=True)
+    return dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
 
 
 def delayed_config(**kwargs: object) -> Float8LinearConfig:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
-import dataclasses
 import gc
 import json
 import os
@@ -37,7 +36,14 @@ from torch._inductor import config as inductor_config
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from benchmarks.utils import PASS_VARIANTS, environment, inductor_pass_as, with_pass_variant
+from benchmarks.utils import (
+    FAST_ACCUM_SUFFIX,
+    PASS_VARIANTS,
+    environment,
+    inductor_pass_as,
+    with_fast_backward,
+    with_pass_variant,
+)
 from examples.e2e_report import (
     BASE_NAMES,
     caption_of,
@@ -52,7 +58,6 @@ from examples.e2e_report import (
 from fp8train import (
     CastConfig,
     DelayedScalingConfig,
-    Float8GemmConfig,
     Float8LinearConfig,
     cast_weights_once,
     convert_to_float8_training,
@@ -125,7 +130,7 @@ CONFIGS = (
     "tensorwise-float8-swiglu-exact",  # the same, SwiGLU's output from its bf16 inputs
     # the fastest recipe with the exact float8 SwiGLU: the one config under the memory goal
     "tensorwise-delayed-one-pass-tied-float8-swiglu-exact",
-    # fast accumulation in the backward gemms too (FAST_ACCUM_SUFFIX)
+    # fast accumulation in the backward gemms too (benchmarks.utils.FAST_ACCUM_SUFFIX)
     "tensorwise-fast-accum",
     "tensorwise-delayed-one-pass-tied-fast-accum",
     "tensorwise-delayed-one-pass-tied-float8-swiglu-exact-fast-accum",
@@ -139,10 +144,6 @@ CONFIGS = (
 SWIGLU_SUFFIXES = ("-float8-swiglu-exact", "-float8-swiglu")
 """A config ending in one of these is the config before it with float8_swiglu (exact_forward
 for the first)."""
-FAST_ACCUM_SUFFIX = "-fast-accum"
-"""A config ending in this is the config before it with Hopper's fast accumulation in the
-grad_input and grad_weight gemms too, not only the output gemm (faster, less exact sums)."""
-FAST_ACCUM = Float8GemmConfig(use_fast_accum=True)
 WARMUP_STEPS = 5
 """Steps left out of tokens/s (compilation, the allocator's growth, delayed scaling's switch to
 recorded scales), each waited for; the steps after them run back to back and are timed
@@ -188,10 +189,7 @@ def convert(model: nn.Module, name: str) -> nn.Module:
             name.removeprefix("torchao-")
         )
         if fast_accum:
-            fast = torchao_float8.Float8GemmConfig(use_fast_accum=True)
-            ao_config = dataclasses.replace(
-                ao_config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast
-            )
+            ao_config = with_fast_backward(ao_config, torchao_float8.Float8GemmConfig)
         return torchao_float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=keep_lm_head
         )
@@ -222,9 +220,7 @@ def convert(model: nn.Module, name: str) -> nn.Module:
         config = Float8LinearConfig.from_recipe_name(name)
     config = with_pass_variant(config, variant)
     if fast_accum:
-        config = dataclasses.replace(
-            config, gemm_config_grad_input=FAST_ACCUM, gemm_config_grad_weight=FAST_ACCUM
-        )
+        config = with_fast_backward(config)
     inductor_pass_as(config)  # process-wide: an earlier run may have installed another
     model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
     return tie_shared_delayed_inputs(model) if "-tied" in name else model
