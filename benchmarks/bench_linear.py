@@ -58,6 +58,7 @@ from benchmarks.utils import (
     device_time_s,
     fp8_peak_tflops,
     general_path,
+    inductor_options,
     inductor_pass_as,
     markdown_table,
     median_time_s,
@@ -427,8 +428,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from examples.train_llama import inductor_options
-
     options = inductor_options(args.inductor)
     threads = args.autograd_threads == "on"
     with torch._inductor.config.patch(options), torch.autograd.set_multithreading_enabled(threads):

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.saved_by_block import CONFIGS, block_and_inputs, configured
-from benchmarks.utils import environment, markdown_table, print_environment
+from benchmarks.utils import environment, inductor_options, markdown_table, print_environment
 from fp8train import sync_float8_amax_and_scale_history
 from fp8train.delayed import delayed_roles
 from fp8train.models import ModelArgs
@@ -115,8 +115,6 @@ def main(args: argparse.Namespace) -> list[dict]:
             "the same comparison of inductor's C++ (a check of the harness: "
             "benchmarks/sass_hazards.py reads the GPU's code offline)"
         )
-    from examples.train_llama import inductor_options
-
     with torch._inductor.config.patch(inductor_options(args.inductor)):
         return _main(args)
 

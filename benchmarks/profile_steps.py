@@ -55,6 +55,7 @@ from benchmarks.memory_trace import (
     print_peak,
     storage_bytes,
 )
+from benchmarks.utils import inductor_options
 from fp8train import (
     Float8Linear,
     Float8LinearConfig,
@@ -212,7 +213,7 @@ def peak_part():
 def _compiled_blocks(base: nn.Module, name: str, device: torch.device) -> nn.Module:
     """A bf16 copy of `base` on `device` converted as examples/train_llama.py's config
     `name`, each block compiled with fullgraph=True, as that example trains it."""
-    from examples.train_llama import convert
+    from examples.llama_configs import convert
 
     torch._dynamo.reset()
     model = convert(copy.deepcopy(base).to(device, torch.bfloat16), name)
@@ -424,8 +425,6 @@ def demo_part():
 
 if __name__ == "__main__":
     from torch._inductor import config as inductor_config
-
-    from examples.train_llama import inductor_options
 
     parts = sys.argv[1:] or ["layer", "demo"]  # blocks only when asked for
     options = inductor_options(os.environ.get("INDUCTOR", "").split(), source="INDUCTOR")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import csv
 import dataclasses
@@ -202,3 +203,38 @@ def general_path(layer: Float8Linear) -> Float8Linear:
     general = copy.copy(layer)
     general._eager = (general.config, None)
     return general
+
+
+def inductor_options(pairs: list[str] | None, source: str = "--inductor") -> dict:
+    """`KEY=VALUE` pairs as options for torch._inductor.config.patch: dotted names as in
+    torch._inductor.config, values as Python literals (a bare word is a string). An unknown
+    name, or a value of another type than the option's default, stops with what to give
+    instead (an option whose default is None takes its value unchecked)."""
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    options = {}
+    for pair in pairs or []:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(
+                f"{source} {pair!r}: give KEY=VALUE, for example coordinate_descent_tuning=True"
+            )
+        if key not in known:
+            raise SystemExit(
+                f"{source} {key}: torch._inductor.config has no such option; give its dotted "
+                "name, for example triton.tile_reductions"
+            )
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        default = known[key]
+        numeric = isinstance(default, float) and type(value) is int
+        if default is not None and type(value) is not type(default) and not numeric:
+            raise SystemExit(
+                f"{source} {pair}: {key} takes a {type(default).__name__} "
+                f"(its default is {default!r})"
+            )
+        options[key] = value
+    return options

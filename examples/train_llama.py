@@ -21,7 +21,6 @@ bf16) and writes the loss curves as a PNG with --plot (needs matplotlib).
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import gc
 import json
@@ -36,14 +35,7 @@ from torch._inductor import config as inductor_config
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from benchmarks.utils import (
-    FAST_ACCUM_SUFFIX,
-    PASS_VARIANTS,
-    environment,
-    inductor_pass_as,
-    with_fast_backward,
-    with_pass_variant,
-)
+from benchmarks.utils import environment, inductor_options
 from examples.e2e_report import (
     BASE_NAMES,
     caption_of,
@@ -55,14 +47,8 @@ from examples.e2e_report import (
     print_summary,
     seeds_with,
 )
-from fp8train import (
-    CastConfig,
-    DelayedScalingConfig,
-    Float8LinearConfig,
-    cast_weights_once,
-    convert_to_float8_training,
-    sync_float8_amax_and_scale_history,
-)
+from examples.llama_configs import CONFIGS, convert, torchao_float8
+from fp8train import cast_weights_once, sync_float8_amax_and_scale_history
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import (
     DTYPES,
@@ -73,17 +59,7 @@ from fp8train.demo import (
     usable_device,
 )
 from fp8train.demo import lr_at as demo_lr_at
-from fp8train.models import (
-    ModelArgs,
-    Transformer,
-    tie_shared_delayed_inputs,
-    use_float8_swiglu,
-)
-
-try:
-    import torchao.float8 as torchao_float8
-except ImportError:
-    torchao_float8 = None
+from fp8train.models import ModelArgs, Transformer
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Minutes on two CPU cores: the float8 path through torch._scaled_mm on the CPU.
@@ -99,131 +75,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                  steps=300, lr=1e-4, dtype="bfloat16", corpus="stdlib"),
 }  # fmt: skip
 
-CONFIGS = (
-    "bf16",  # the baseline: no float8 (in --dtype, bf16 on the GPU)
-    "bf16-nudged",  # the baseline from weights nudged by 2**-7: the loss comparison's noise
-    "tensorwise",
-    # the default recipe with compiled_transpose_kernels=True; every other float8 config
-    # leaves it "auto" (on only where ptxas miscompiles kernels storing both layouts)
-    "tensorwise-transpose",
-    "tensorwise-delayed",
-    "tensorwise-delayed-one-pass",  # compiled: casts without waiting for this step's amax
-    "tensorwise-delayed-tied",  # wq/wk/wv and w1/w3 share one input state (one cast)
-    "tensorwise-delayed-one-pass-tied",
-    # and grad_output's column-major copy made from its row-major bytes by fp8train's
-    # transpose kernel (compiled_transpose_kernels), not in the cast's own kernel
-    "tensorwise-delayed-one-pass-tied-transpose",
-    # compiled casts as inductor writes them, without fp8train's post-grad pass: a clamp
-    # before converting, float amaxes (compiled_satfinite and compiled_integer_amax off)
-    "tensorwise-clamp",
-    "tensorwise-delayed-one-pass-tied-clamp",
-    # the pass without its integer amaxes (compiled_integer_amax off)
-    "tensorwise-float-amax",
-    "tensorwise-delayed-one-pass-tied-float-amax",
-    # the defaults named (both parts of the pass on), as earlier results name them
-    "tensorwise-integer-amax",
-    "tensorwise-delayed-one-pass-tied-integer-amax",
-    "tensorwise-cast-kernels",  # compiled: fp8train's cast kernels instead of inductor's
-    "tensorwise-cast-kernels-no-input",  # the same for weights and gradients, not inputs
-    "tensorwise-keep-hp-input",  # recompute_input_cast=True: backward recasts each input
-    "tensorwise-float8-swiglu",  # and SwiGLU keeps its two inputs in float8 (float8_swiglu)
-    "tensorwise-float8-swiglu-exact",  # the same, SwiGLU's output from its bf16 inputs
-    # the fastest recipe with the exact float8 SwiGLU: the one config under the memory goal
-    "tensorwise-delayed-one-pass-tied-float8-swiglu-exact",
-    # fast accumulation in the backward gemms too (benchmarks.utils.FAST_ACCUM_SUFFIX)
-    "tensorwise-fast-accum",
-    "tensorwise-delayed-one-pass-tied-fast-accum",
-    "tensorwise-delayed-one-pass-tied-float8-swiglu-exact-fast-accum",
-    "rowwise",
-    "rowwise_with_gw_hp",
-    "blockwise",
-    "torchao-tensorwise",
-    "torchao-rowwise",
-    "torchao-tensorwise-fast-accum",
-)
-SWIGLU_SUFFIXES = ("-float8-swiglu-exact", "-float8-swiglu")
-"""A config ending in one of these is the config before it with float8_swiglu (exact_forward
-for the first)."""
 WARMUP_STEPS = 5
 """Steps left out of tokens/s (compilation, the allocator's growth, delayed scaling's switch to
 recorded scales), each waited for; the steps after them run back to back and are timed
 together."""
 FINAL_STEPS = 20
 """The final train loss is the mean over this many last steps."""
-
-
-def keep_lm_head(module: nn.Module, fqn: str) -> bool:
-    """The logits gemm stays in high precision: its errors reach the loss directly."""
-    return fqn != "lm_head"
-
-
-NUDGE = torch.finfo(torch.bfloat16).eps
-"""bf16-nudged's relative change of every weight: 2**-7, one or two units in the last place
-of a bf16 value (bf16's rounding of one optimizer step moves weights this much), and 2**-7 of
-an fp32 value too, so that the CPU's fp32 runs measure the same nudge."""
-
-
-def nudge(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Every parameter multiplied by 1 + NUDGE or 1 - NUDGE, the sign drawn at random with a
-    fixed seed. Far below float8's rounding of the gemm operands (up to 2**-4 relative in
-    e4m3), and it touches only the starting point: a loss difference that the nudge alone
-    produces is the run's noise, not a cost of float8."""
-    with torch.no_grad():
-        for param in model.parameters():
-            generator = torch.Generator(param.device).manual_seed(seed)
-            sign = torch.empty_like(param).bernoulli_(0.5, generator=generator).mul_(2).sub_(1)
-            param.mul_(sign.mul_(NUDGE).add_(1))
-            seed += 1
-    return model
-
-
-def convert(model: nn.Module, name: str) -> nn.Module:
-    if name == "bf16":
-        return model
-    if name == "bf16-nudged":
-        return nudge(model)
-    fast_accum = name.endswith(FAST_ACCUM_SUFFIX)
-    name = name.removesuffix(FAST_ACCUM_SUFFIX)
-    if name.startswith("torchao-"):
-        ao_config = torchao_float8.Float8LinearConfig.from_recipe_name(
-            name.removeprefix("torchao-")
-        )
-        if fast_accum:
-            ao_config = with_fast_backward(ao_config, torchao_float8.Float8GemmConfig)
-        return torchao_float8.convert_to_float8_training(
-            model, config=ao_config, module_filter_fn=keep_lm_head
-        )
-    swiglu = next((s for s in SWIGLU_SUFFIXES if name.endswith(s)), None)
-    if swiglu is not None:  # SwiGLU's inputs in float8 on top of the config before the suffix
-        use_float8_swiglu(model, exact_forward=swiglu.endswith("-exact"))
-        name = name.removesuffix(swiglu)
-    variant = next((v for v in PASS_VARIANTS if name.endswith(f"-{v}")), "satfinite")
-    name = name.removesuffix(f"-{variant}")
-    if name.startswith("tensorwise-delayed"):
-        delayed = CastConfig(scaling_type="delayed")
-        config = Float8LinearConfig(
-            cast_config_input=delayed,
-            cast_config_weight=delayed,
-            cast_config_grad_output=delayed,
-            delayed_scaling_config=DelayedScalingConfig(compiled_one_pass="-one-pass" in name),
-            compiled_transpose_kernels=("grad_output",) if name.endswith("-transpose") else "auto",
-        )
-    elif name == "tensorwise-cast-kernels":
-        config = Float8LinearConfig(compiled_cast_kernels=True)
-    elif name == "tensorwise-cast-kernels-no-input":
-        config = Float8LinearConfig(compiled_cast_kernels=("weight", "grad_output"))
-    elif name == "tensorwise-transpose":
-        config = Float8LinearConfig(compiled_transpose_kernels=True)
-    elif name == "tensorwise-keep-hp-input":
-        config = Float8LinearConfig(recompute_input_cast=True)
-    else:
-        config = Float8LinearConfig.from_recipe_name(name)
-    config = with_pass_variant(config, variant)
-    if fast_accum:
-        config = with_fast_backward(config)
-    inductor_pass_as(config)  # process-wide: an earlier run may have installed another
-    model = convert_to_float8_training(model, config=config, module_filter_fn=keep_lm_head)
-    return tie_shared_delayed_inputs(model) if "-tied" in name else model
 
 
 class Checkpointed(nn.Module):
@@ -479,39 +336,6 @@ def full_precision_reductions(enabled: bool):  # noqa: ANN201
             matmul.allow_bf16_reduced_precision_reduction,
             matmul.allow_fp16_reduced_precision_reduction,
         ) = before
-
-
-def inductor_options(pairs: list[str] | None, source: str = "--inductor") -> dict:
-    """`KEY=VALUE` pairs as options for torch._inductor.config.patch: dotted names as in
-    torch._inductor.config, values as Python literals (a bare word is a string). An unknown
-    name, or a value of another type than the option's default, stops with what to give
-    instead (an option whose default is None takes its value unchecked)."""
-    known = inductor_config.get_config_copy()
-    options = {}
-    for pair in pairs or []:
-        key, sep, text = pair.partition("=")
-        if not sep:
-            raise SystemExit(
-                f"{source} {pair!r}: give KEY=VALUE, for example coordinate_descent_tuning=True"
-            )
-        if key not in known:
-            raise SystemExit(
-                f"{source} {key}: torch._inductor.config has no such option; give its dotted "
-                "name, for example triton.tile_reductions"
-            )
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        default = known[key]
-        numeric = isinstance(default, float) and type(value) is int
-        if default is not None and type(value) is not type(default) and not numeric:
-            raise SystemExit(
-                f"{source} {pair}: {key} takes a {type(default).__name__} "
-                f"(its default is {default!r})"
-            )
-        options[key] = value
-    return options
 
 
 def write_json(args: argparse.Namespace, run_environment: dict, rows: list[dict]) -> None:

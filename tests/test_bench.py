@@ -770,3 +770,29 @@ def test_profile_host_times_each_autograd_thread_setting_and_restores_the_defaul
     out = capsys.readouterr().out
     assert out.index("autograd threads off:") < out.index("autograd threads on:")
     assert "steps under cProfile, autograd threads off:" in out
+
+
+@pytest.mark.parametrize(
+    ("pair", "message"),
+    [
+        ("coordinate_descent_tuning", "give KEY=VALUE"),
+        ("triton.tile_reduction=True", "no such option; give its dotted name"),
+        ("coordinate_descent_tuning=1", "takes a bool"),
+        ("triton.tile_reductions=yes", "takes a bool"),
+    ],
+)
+def test_inductor_options_refuse_what_inductor_would_not_take(pair, message):
+    from benchmarks.utils import inductor_options
+
+    with pytest.raises(SystemExit, match=message):
+        inductor_options([pair])
+
+
+def test_inductor_option_values_are_python_literals():
+    from benchmarks.utils import inductor_options
+
+    assert inductor_options(["triton.max_tiles=2", "coordinate_descent_tuning=False"]) == {
+        "triton.max_tiles": 2,
+        "coordinate_descent_tuning": False,
+    }
+    assert inductor_options(None) == {}

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from examples import e2e_report, train_llama
+from examples import e2e_report, llama_configs, train_llama
 
 
 def run(tmp_path, *argv: str) -> list[dict]:  # noqa: ANN001
@@ -67,7 +67,7 @@ def test_a_float8_swiglu_suffix_adds_float8_swiglu_to_the_config_before_it():
     from fp8train.models import FeedForward, ModelArgs, Transformer
 
     def converted(name: str) -> Transformer:
-        return train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
+        return llama_configs.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
 
     model = converted("tensorwise-delayed-one-pass-tied-float8-swiglu-exact")
     ffn = next(m for m in model.modules() if isinstance(m, FeedForward))
@@ -90,7 +90,7 @@ def test_a_fast_accum_suffix_turns_on_fast_accumulation_in_the_backward_gemms_on
     from fp8train.models import FeedForward, ModelArgs, Transformer
 
     def linear_config(name: str):  # noqa: ANN202
-        model = train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
+        model = llama_configs.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
         return next(m for m in model.modules() if isinstance(m, Float8Linear)).config
 
     fast = linear_config("tensorwise-delayed-one-pass-tied-fast-accum")
@@ -114,9 +114,9 @@ def test_a_fast_accum_suffix_turns_on_fast_accumulation_in_the_backward_gemms_on
     assert not plain.gemm_config_grad_weight.use_fast_accum
     assert linear_config("tensorwise-fast-accum").gemm_config_grad_weight.use_fast_accum
     both = "tensorwise-delayed-one-pass-tied-float8-swiglu-exact-fast-accum"
-    assert both in train_llama.CONFIGS
+    assert both in llama_configs.CONFIGS
     assert linear_config(both) == fast
-    model = train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), both)
+    model = llama_configs.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), both)
     ffn = next(m for m in model.modules() if isinstance(m, FeedForward))
     assert ffn.float8_swiglu and ffn.float8_swiglu_exact_forward
 
@@ -126,7 +126,7 @@ def test_torchao_with_a_fast_accum_suffix_gets_fast_accumulation_alike():
     from fp8train.models import ModelArgs, Transformer
 
     def linear_config(name: str):  # noqa: ANN202
-        model = train_llama.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
+        model = llama_configs.convert(Transformer(ModelArgs(dim=64, n_layers=1, ffn_dim=176)), name)
         kind = torchao_float8.float8_linear.Float8Linear
         return next(m for m in model.modules() if isinstance(m, kind)).config
 
@@ -313,32 +313,6 @@ def test_inductor_options_hold_for_the_runs_and_are_restored(tmp_path, monkeypat
     assert args["inductor"] == ["coordinate_descent_tuning=True", "triton.tile_reductions=True"]
 
 
-@pytest.mark.parametrize(
-    ("pair", "message"),
-    [
-        ("coordinate_descent_tuning", "give KEY=VALUE"),
-        ("triton.tile_reduction=True", "no such option; give its dotted name"),
-        ("coordinate_descent_tuning=1", "takes a bool"),
-        ("triton.tile_reductions=yes", "takes a bool"),
-    ],
-)
-def test_inductor_options_refuse_what_inductor_would_not_take(pair, message):
-    from examples.train_llama import inductor_options
-
-    with pytest.raises(SystemExit, match=message):
-        inductor_options([pair])
-
-
-def test_inductor_option_values_are_python_literals():
-    from examples.train_llama import inductor_options
-
-    assert inductor_options(["triton.max_tiles=2", "coordinate_descent_tuning=False"]) == {
-        "triton.max_tiles": 2,
-        "coordinate_descent_tuning": False,
-    }
-    assert inductor_options(None) == {}
-
-
 def test_deterministic_runs_train_and_leave_the_setting_as_it_was(tmp_path):
     import torch
 
@@ -463,7 +437,7 @@ def test_the_nudged_baseline_moves_every_weight_by_a_bf16_ulp_and_is_labelled_by
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     for dtype in (torch.float32, torch.bfloat16):
         before = [p.detach().to(dtype).clone() for p in model.parameters()]
-        nudged = train_llama.nudge(copy.deepcopy(model).to(dtype))
+        nudged = llama_configs.nudge(copy.deepcopy(model).to(dtype))
         for old, new in zip(before, nudged.parameters(), strict=True):
             relative = (new.detach().float() / old.float() - 1).abs()
             # 2**-7 of every value: exactly in fp32, one or two ulps of bf16 after its rounding
@@ -474,7 +448,7 @@ def test_the_nudged_baseline_moves_every_weight_by_a_bf16_ulp_and_is_labelled_by
             up = new.detach().float() > old.float()
             assert 0.3 < up.float().mean() < 0.7  # up or down at random, not all one way
         # the same nudge each time, so that a seed's nudged run can be repeated
-        again = train_llama.nudge(copy.deepcopy(model).to(dtype))
+        again = llama_configs.nudge(copy.deepcopy(model).to(dtype))
         assert all(
             torch.equal(a, b) for a, b in zip(nudged.parameters(), again.parameters(), strict=True)
         )

@@ -190,7 +190,7 @@ def test_tuned_end_to_end_runs_pass_the_tuning_to_every_config(tmp_path):
 
 
 def test_fast_backward_accumulation_runs_every_float8_config_with_it_and_only_those(tmp_path):
-    from examples.train_llama import CONFIGS
+    from examples.llama_configs import CONFIGS
 
     plain = commands(tmp_path, quick=False, device="cuda")
     fast = commands(tmp_path, quick=False, device="cuda", fast_backward=True)
