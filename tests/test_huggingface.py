@@ -40,6 +40,22 @@ def test_llama_for_causal_lm_converts_and_trains():
     assert losses[-1] < losses[0] - 0.5
 
 
+def test_a_converted_llama_generates_one_token_at_a_time():
+    """generate() runs under no_grad with one token per step after the prompt: float8 layers
+    take any token count without a backward."""
+    plain = tiny_llama()
+    model = convert_to_float8_training(
+        copy.deepcopy(plain), module_filter_fn=lambda module, fqn: fqn != "lm_head"
+    )
+    prompt = torch.randint(0, 256, (1, 5))
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = model.generate(prompt, **settings)
+    assert out.shape == (1, 9) and torch.equal(out[:, :5], prompt)
+    with torch.no_grad():
+        logits, ref = model(out).logits, plain(out).logits
+    assert compute_error(ref, logits) >= 20.0  # 25.7 dB here
+
+
 def test_converted_llama_keeps_the_checkpoint_format():
     plain = tiny_llama()
     converted = convert_to_float8_training(

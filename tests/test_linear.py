@@ -167,6 +167,29 @@ def test_misaligned_token_count_fails_in_forward_naming_the_layer():
         layer(torch.randn(7, 64))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("no_backward", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_without_a_backward_any_token_count_runs(recipe, no_backward, compiled):
+    """Evaluation and generation (one token at a time) run no grad_weight gemm, the only gemm
+    that needs the token count to be a multiple of 16: they take any count."""
+    reference = nn.Linear(64, 48)
+    layer = Float8Linear.from_float(
+        copy.deepcopy(reference), Float8LinearConfig.from_recipe_name(recipe)
+    )
+    torch._dynamo.reset()  # each token count and grad mode is a graph of Float8Linear.forward
+    run = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+    context = torch.no_grad if no_backward == "no_grad" else torch.inference_mode
+    for tokens in (1, 7):
+        x = torch.randn(tokens, 64)
+        with context():
+            out = run(x)
+        assert compute_error(reference(x), out) >= OUTPUT_SQNR
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="=7 not a multiple of 16"):
+        layer(torch.randn(7, 64))  # with a backward to come, forward still refuses
+
+
 def test_emulation_needs_no_alignment():
     layer = Float8Linear(100, 37, config=Float8LinearConfig(emulate=True))
     layer(torch.randn(7, 100)).sum().backward()
