@@ -138,6 +138,23 @@ def test_sync_rolls_the_history_and_scales_from_its_max():
         assert torch.equal(layer.fp8_scale_input, 448.0 / expected.max())
 
 
+def test_a_no_grad_forward_records_its_amaxes_for_the_next_sync():
+    """The documented behaviour (docs/scaling.md): evaluation under no_grad records the input's
+    and weight's amaxes, as float8_experimental did, and the next sync folds them into the
+    history with the training step's; grad_output, which has no backward there, records
+    nothing."""
+    layer = Float8Linear(K, N, bias=False, config=delayed_config())
+    layer(torch.randn(M, K)).sum().backward()
+    sync_float8_amax_and_scale_history(layer)
+    with torch.no_grad():
+        layer(torch.full((M, K), 100.0))
+    assert layer.fp8_amax_input == 100.0 and layer.fp8_amax_grad_output == 0
+    layer(torch.randn(M, K)).sum().backward()  # a training step with smaller inputs
+    sync_float8_amax_and_scale_history(layer)
+    assert layer.fp8_amax_history_input[0] == 100.0
+    assert torch.equal(layer.fp8_scale_input, 448.0 / torch.tensor(100.0))
+
+
 def test_most_recent_scale_fn_and_the_scale_reaching_the_cast():
     config = delayed_config(delayed_scaling_config=DelayedScalingConfig(scale_fn="most_recent"))
     layer = Float8Linear(K, N, bias=False, config=config)
