@@ -170,10 +170,11 @@ def test_misaligned_token_count_fails_in_forward_naming_the_layer():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("no_backward", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_without_a_backward_any_token_count_runs(recipe, no_backward, compiled):
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_a_backward_any_token_count_runs(device, recipe, no_backward, compiled):
     """Evaluation and generation (one token at a time) run no grad_weight gemm, the only gemm
     that needs the token count to be a multiple of 16: they take any count."""
-    reference = nn.Linear(64, 48)
+    reference = nn.Linear(64, 48, device=device)
     layer = Float8Linear.from_float(
         copy.deepcopy(reference), Float8LinearConfig.from_recipe_name(recipe)
     )
@@ -181,13 +182,13 @@ def test_without_a_backward_any_token_count_runs(recipe, no_backward, compiled):
     run = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
     context = torch.no_grad if no_backward == "no_grad" else torch.inference_mode
     for tokens in (1, 7):
-        x = torch.randn(tokens, 64)
+        x = torch.randn(tokens, 64, device=device)
         with context():
             out = run(x)
         assert compute_error(reference(x), out) >= OUTPUT_SQNR
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="=7 not a multiple of 16"):
-        layer(torch.randn(7, 64))  # with a backward to come, forward still refuses
+        layer(torch.randn(7, 64, device=device))  # with a backward to come, forward refuses
 
 
 def test_emulation_needs_no_alignment():
