@@ -21,9 +21,10 @@ model of small layers 14% less step time (benchmarks/results/eager_path_h100_202
 It runs where it can only agree with the general path: eager mode (not traced), CUDA, a plain
 input and weight (no DTensor, no Float8Tensor from a float8 all-gather), no dispatch mode
 active, no stats observer, no weight cast once for several micro-batches, the token count a
-multiple of 16, and a config whose six casts are all dynamic tensorwise, that keeps the input
-in float8 and does not emulate. Everything else takes the general path, which also raises the
-errors for bad input.
+multiple of 16 where a weight gradient will follow (any count otherwise: evaluation,
+generation one token at a time), and a config whose six casts are all dynamic tensorwise,
+that keeps the input in float8 and does not emulate. Everything else takes the general path,
+which also raises the errors for bad input.
 """
 
 from __future__ import annotations
@@ -98,7 +99,11 @@ def takes_eager_path(input: torch.Tensor, weight: torch.Tensor) -> bool:
         type(input) is torch.Tensor
         and type(weight) in _PLAIN
         and input.device.type in EAGER_DEVICES
-        and (input.numel() // input.shape[-1]) % ALIGNMENT == 0
+        # Only the grad_weight gemm needs the token count to be a multiple of 16.
+        and (
+            (input.numel() // input.shape[-1]) % ALIGNMENT == 0
+            or not (weight.requires_grad and torch.is_grad_enabled())
+        )
         and not torch._C._len_torch_dispatch_stack()
     )
 

@@ -106,14 +106,15 @@ def test_fast_path_equals_the_general_path_bit_for_bit(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [16, 7])  # no grad_weight gemm: any token count
 def test_fast_path_with_a_frozen_weight_gives_only_the_input_gradient(
-    device, fast_casts, monkeypatch
+    device, tokens, fast_casts, monkeypatch
 ):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     layer = Float8Linear(32, 64, bias=False, device=device, dtype=dtype)
     layer.weight.requires_grad_(False)
-    x = torch.randn(16, 32, device=device, dtype=dtype)
-    grad = torch.randn(16, 64, device=device, dtype=dtype)
+    x = torch.randn(tokens, 32, device=device, dtype=dtype)
+    grad = torch.randn(tokens, 64, device=device, dtype=dtype)
     fast = _fwd_bwd(layer, x, grad, input_grad=True)
     # input and weight cast for the output gemm, grad_output and the weight for grad_input
     assert len(fast_casts) == 4 and layer.weight.grad is None
@@ -122,10 +123,14 @@ def test_fast_path_with_a_frozen_weight_gives_only_the_input_gradient(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fast_path_without_grad_casts_for_the_output_gemm_only(device, fast_casts, monkeypatch):
+@pytest.mark.parametrize("lead", [(4, 16), (1, 1), (7,)], ids=["64-tokens", "1-token", "7-tokens"])
+def test_fast_path_without_grad_casts_for_the_output_gemm_only(
+    device, lead, fast_casts, monkeypatch
+):
+    """Any token count: without a backward no gemm needs a multiple of 16 (generation)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     layer = Float8Linear(64, 32, device=device, dtype=dtype)
-    x = torch.randn(4, 16, 64, device=device, dtype=dtype)
+    x = torch.randn(*lead, 64, device=device, dtype=dtype)
     with torch.no_grad():
         fast = layer(x)
     assert len(fast_casts) == 2 and fast.grad_fn is None
