@@ -43,7 +43,7 @@ from fp8train.config import (
     ScalingGranularity,
     ScalingType,
 )
-from fp8train.gemm import ALIGNMENT
+from fp8train.gemm import ALIGNMENT, grad_weight_tokens_misaligned
 from fp8train.kernels import kernel_cast
 
 EAGER_DEVICES = frozenset({"cuda"})
@@ -99,11 +99,7 @@ def takes_eager_path(input: torch.Tensor, weight: torch.Tensor) -> bool:
         type(input) is torch.Tensor
         and type(weight) in _PLAIN
         and input.device.type in EAGER_DEVICES
-        # Only the grad_weight gemm needs the token count to be a multiple of 16.
-        and (
-            (input.numel() // input.shape[-1]) % ALIGNMENT == 0
-            or not (weight.requires_grad and torch.is_grad_enabled())
-        )
+        and not grad_weight_tokens_misaligned(input, weight)
         and not torch._C._len_torch_dispatch_stack()
     )
 

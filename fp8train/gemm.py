@@ -18,6 +18,15 @@ from fp8train.tensor import Float8Tensor
 ALIGNMENT = 16
 """torch._scaled_mm on CUDA needs the inner dim and the output columns to be multiples of 16."""
 
+
+def grad_weight_tokens_misaligned(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True if a weight gradient will follow and the number of tokens, that gemm's inner dim,
+    is not a multiple of ALIGNMENT. Without one (no_grad, inference_mode, a frozen weight) no
+    gemm minds the token count: the output and grad_input gemms take any number of rows."""
+    tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
+    return bool(weight.requires_grad and torch.is_grad_enabled() and tokens % ALIGNMENT)
+
+
 # torch._scaled_mm on the CPU takes rowwise scales from torch 2.13 on; before, an internal
 # assert fires, and rowwise gemms on the CPU are emulated instead.
 _CPU_ROWWISE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)

@@ -26,7 +26,7 @@ from fp8train.config import (
     config_or_default,
 )
 from fp8train.delayed import DelayedState, stateful_scale
-from fp8train.gemm import ALIGNMENT, misaligned_message, scaled_mm
+from fp8train.gemm import grad_weight_tokens_misaligned, misaligned_message, scaled_mm
 from fp8train.policy import (
     BACKWARD_GEMM,
     Observer,
@@ -67,16 +67,11 @@ def tokens_misaligned(
     input: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig
 ) -> bool:
     """True if the number of tokens (the grad_weight gemm's inner dim) would make that gemm
-    fail in backward: the caller raises in forward instead, naming the layer. Without a
-    backward (no_grad, inference_mode, a frozen weight) no gemm minds the token count: the
-    output and grad_input gemms take any number of rows."""
-    tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
+    fail in backward: the caller raises in forward instead, naming the layer."""
     return bool(
         not (config.emulate or config.pad_inner_dim)
-        and weight.requires_grad
-        and torch.is_grad_enabled()
         and cast_key(config, Role.INPUT, Gemm.GRAD_WEIGHT) is not None
-        and tokens % ALIGNMENT
+        and grad_weight_tokens_misaligned(input, weight)
     )
 
 
