@@ -138,16 +138,21 @@ class _Float8Matmul(torch.autograd.Function):
         config: Float8LinearConfig,
         observer: Observer | None = None,
         grad_output_state: DelayedState | None = None,
+        keeps: tuple[bool, bool] = (True, True),
     ) -> torch.Tensor:
         a = input_hp if input_for_output is None else input_for_output
         b = weight_hp if weight_for_output is None else weight_for_output
         output = _gemm(Gemm.OUTPUT, a, _t(b), config, input_hp.dtype)
-        input_kept = kept_for_backward(
-            input_hp, input_for_output, input_for_backward, Role.INPUT, config
-        )
-        weight_kept = kept_for_backward(
-            weight_hp, weight_for_output, weight_for_backward, Role.WEIGHT, config
-        )
+        # keeps: whether backward reads the input (for grad_weight) and the weight (grad_input).
+        input_kept = weight_kept = None
+        if keeps[0]:
+            input_kept = kept_for_backward(
+                input_hp, input_for_output, input_for_backward, Role.INPUT, config
+            )
+        if keeps[1]:
+            weight_kept = kept_for_backward(
+                weight_hp, weight_for_output, weight_for_backward, Role.WEIGHT, config
+            )
         input_tensors, ctx.input_meta = _pack(input_kept)
         weight_tensors, ctx.weight_meta = _pack(weight_kept)
         ctx.num_input_tensors = len(input_tensors)
@@ -233,7 +238,7 @@ class _Float8Matmul(torch.autograd.Function):
                 config,
                 ctx.weight_dtype,
             )
-        return grad_input, grad_weight, None, None, None, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None, None, None, None
 
 
 def linear_mm(
@@ -250,16 +255,20 @@ def linear_mm(
     used instead of casting it here and kept for backward."""
     input_2d = input.reshape(-1, input.shape[-1])
     state = state or {}
-    # Evaluation, no_grad, inference: no backward, so nothing is cast or kept for it.
-    backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
+    # Evaluation, no_grad, inference: no backward, so nothing is cast or kept for it. Backward
+    # reads the input only for the weight's gradient and the weight only for the input's: a
+    # frozen weight keeps no input, an input without a gradient no weight.
+    grad = torch.is_grad_enabled()
+    keeps = (grad and weight.requires_grad, grad and input.requires_grad)
+    backward = any(keeps)
     input_for_output, input_for_backward = shared_input_operands(
-        input, input_2d, config, observer, state.get(Role.INPUT), backward
+        input, input_2d, config, observer, state.get(Role.INPUT), keeps[0]
     )
     if weight_casts is not None:
         weight_for_output, weight_for_backward = weight_casts
     else:
         weight_for_output, weight_for_backward = forward_operands(
-            weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT), backward
+            weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT), keeps[1]
         )
     if isinstance(weight, Float8Tensor) and backward and torch.compiler.is_compiling():
         weight_for_backward = relaid_in_backward(weight, Role.WEIGHT)
@@ -278,6 +287,7 @@ def linear_mm(
         config,
         observer,
         state.get(Role.GRAD_OUTPUT),
+        keeps,
     )
     return output.reshape(*input.shape[:-1], output.shape[-1])
 
@@ -297,13 +307,16 @@ def _cast_grad_output(
 
 
 def _recast_scale_of(
-    kept: torch.Tensor, for_output: Float8Tensor | None, role: Role, config: Float8LinearConfig
+    kept: torch.Tensor | None,
+    for_output: Float8Tensor | None,
+    role: Role,
+    config: Float8LinearConfig,
 ) -> torch.Tensor | None:
     """The scale that backward's recast of `role` takes from forward's cast (None: its own):
     a delayed or static cast's, whose state may have moved on by then; and in eager mode a
     dynamic tensorwise cast's, which spares the recast its amax pass (the tensor is the same,
     and so is its amax). Compiled code leaves that choice to the partitioner."""
-    if isinstance(kept, Float8Tensor) or not isinstance(for_output, Float8Tensor):
+    if kept is None or isinstance(kept, Float8Tensor) or not isinstance(for_output, Float8Tensor):
         return None
     cast = config.cast_config(role, Gemm.OUTPUT)
     if cast.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC):

@@ -1,6 +1,7 @@
 """What a Float8Linear keeps between forward and backward, read off the saved tensors."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_tensorwise_save_policy(recompute_weight_cast, recompute_input_cast, hp_
 def test_rowwise_keeps_the_input_scaled_for_the_grad_weight_gemm():
     config = all_roles_config("rowwise", recompute_weight_cast=False)
     layer = Float8Linear(K, N, bias=False, config=config)
-    saved = saved_by_forward(layer, torch.randn(M, K))
+    saved = saved_by_forward(layer, torch.randn(M, K, requires_grad=True))
     # input: one scale per column (reduced over the tokens, the grad_weight gemm's inner dim);
     # weight: one scale per input feature (reduced over N, the grad_input gemm's inner dim).
     assert describe(saved, layer.weight) == [
@@ -96,7 +97,7 @@ def test_rowwise_keeps_the_input_scaled_for_the_grad_weight_gemm():
 def test_high_precision_grad_weight_gemm_keeps_the_hp_input():
     config = hp_grad_weight_config()
     layer = Float8Linear(K, N, bias=False, config=config)
-    saved = saved_by_forward(layer, torch.randn(M, K))
+    saved = saved_by_forward(layer, torch.randn(M, K, requires_grad=True))
     assert describe(saved, layer.weight) == [
         ("tensor", torch.float32, (M, K)),
         ("weight parameter", torch.float32, (N, K)),
@@ -105,14 +106,15 @@ def test_high_precision_grad_weight_gemm_keeps_the_hp_input():
 
 
 def test_float8_input_saves_half_of_bf16_training():
+    # The first layer of a model: its input needs no gradient, so neither layer keeps the
+    # weight (nn.Linear would keep a view of it, free but not the parameter object).
     x = torch.randn(M, K, dtype=torch.bfloat16)
     bf16 = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
     fp8 = Float8Linear.from_float(copy.deepcopy(bf16))
     bf16_bytes = nbytes(saved_by_forward(bf16, x), bf16.weight)
     fp8_bytes = nbytes(saved_by_forward(fp8, x), fp8.weight)
     assert bf16_bytes == M * K * 2
-    # The float8 input and its scale, and the weight's scale for backward's recast.
-    assert fp8_bytes == M * K + 4 + 4
+    assert fp8_bytes == M * K + 4  # the float8 input and its scale
 
 
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
@@ -229,3 +231,22 @@ def test_a_leaf_input_is_cast_on_every_call(monkeypatch):
     calls = record_casts(monkeypatch)
     layer(x), layer(x)
     assert [call.shape for call in calls].count((16, 64)) == 2
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_a_frozen_weight_keeps_no_input_and_an_input_without_grad_no_weight(recipe):
+    """Backward reads the input only for grad_weight and the weight only for grad_input."""
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise":
+        config = dataclasses.replace(config, recompute_weight_cast=False)  # keeps a float8 weight
+    layer = Float8Linear(128, 256, bias=False, config=config)
+    frozen = copy.deepcopy(layer).requires_grad_(False)
+    # 16 tokens: no blockwise cast along the tokens runs without a weight gradient.
+    x = torch.randn(16, 128, requires_grad=True)
+    saved = saved_by_forward(frozen, x)
+    assert all(16 not in t.shape for t in saved), describe(saved, frozen.weight)
+    assert x.grad is not None
+    x = torch.randn(128, 128)
+    saved = saved_by_forward(layer, x)
+    assert all(256 not in t.shape for t in saved), describe(saved, layer.weight)
+    assert layer.weight.grad is not None
