@@ -27,9 +27,12 @@ def convert_to_float8_training(
 
     `module_filter_fn(linear, fqn)` returns False for layers to leave in high precision; fqn is
     the layer's dotted name in `module` ("" for the root). A filter that cannot take those two
-    arguments, or returns None (a path without a return), raises a TypeError. A layer that
-    cannot run float8 gemms raises a ValueError that names it and says what to do, and so does
-    a subclass of nn.Linear with a forward of its own (swapping it would drop that forward).
+    arguments, or returns anything but a bool (None: a path without a return), raises a
+    TypeError. A layer that cannot run float8 gemms raises a ValueError that names it and says
+    what to do, and so does a subclass of nn.Linear with a forward of its own (swapping it
+    would drop that forward) or a parametrized layer (weight_norm). A Float8Linear already in
+    `module` stays as it is if its config is this call's, and raises a ValueError if not.
+    Each new layer takes over its nn.Linear's hooks and what a subclass adds to it.
     nn.MultiheadAttention never calls its `out_proj` as a module: it stays in high precision,
     with a warning. On a GPU whose kernels Triton would compile with a ptxas known to
     miscompile fp8train's casts, the first call warns (fp8train.toolchain).
@@ -46,12 +49,13 @@ def convert_to_float8_training(
         if module_filter_fn is None:
             return True
         keep = module_filter_fn(linear, fqn)
-        if keep is None:  # most likely a path of the filter without a return
+        if not isinstance(keep, bool):  # None: most likely a path without a return
             raise TypeError(
-                f"module_filter_fn returned None for '{fqn}': return True to convert the layer "
-                "to float8, False to leave it in high precision"
+                f"module_filter_fn returned {keep!r} ({type(keep).__name__}) for '{fqn}', not a "
+                "bool: return True to convert the layer to float8, False to leave it in high "
+                "precision"
             )
-        return bool(keep)
+        return keep
 
     def convert(child: nn.Module, fqn: str) -> nn.Module:
         if isinstance(child, nn.MultiheadAttention):
@@ -65,7 +69,16 @@ def convert_to_float8_training(
                     stacklevel=3,
                 )
             return child
-        if isinstance(child, nn.Linear) and not isinstance(child, Float8Linear):
+        if isinstance(child, Float8Linear):
+            if child.config != config:
+                raise ValueError(
+                    f"'{fqn or 'the root module'}' is a Float8Linear already, with another "
+                    "config than this call's: convert_to_float8_training does not reconvert. "
+                    "Convert the high-precision model once with the config you want (its "
+                    "state_dict loads into it), or pass the layer's own config to convert the rest"
+                )
+            return child
+        if isinstance(child, nn.Linear):
             if wanted(child, fqn):
                 if type(child).forward is not nn.Linear.forward:
                     raise ValueError(

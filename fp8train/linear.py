@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from fp8train.config import (
     BLOCK,
@@ -161,7 +162,9 @@ class Float8Linear(nn.Linear):
     def from_float(
         cls, module: nn.Linear, config: Float8LinearConfig | None = None, *, fqn: str = ""
     ) -> Float8Linear:
-        """A Float8Linear that shares `module`'s weight and bias (the same Parameter objects)."""
+        """A Float8Linear that shares `module`'s weight and bias (the same Parameter objects)
+        and takes over the rest of its state: its hooks, its training flag, and whatever a
+        subclass of nn.Linear adds (attributes, submodules, parameters, buffers)."""
         config = config_or_default(config)
         check_float8_compatible(module, config, fqn)
         with torch.device("meta"):
@@ -169,6 +172,7 @@ class Float8Linear(nn.Linear):
         new.weight = module.weight
         new.bias = module.bias
         register_delayed_buffers(new, config, device=module.weight.device)
+        _take_module_state(module, new)
         return new
 
     def extra_repr(self) -> str:
@@ -227,9 +231,37 @@ def check_device(device: torch.device, config: Float8LinearConfig, fqn: str = ""
 MIN_CUDA_CAPABILITY = (8, 9)
 
 
+def _take_module_state(old: nn.Module, new: nn.Module) -> None:
+    """Give `new` what swapping `old` for it would otherwise drop. Hook dicts are shared, not
+    copied, so the handles their registration returned still remove them; attributes,
+    parameters, buffers and submodules that `new` lacks (a subclass's own) are added."""
+    own = vars(new)
+    for name, value in vars(old).items():
+        if name in ("_parameters", "_buffers", "_modules"):
+            for key, item in value.items():
+                own[name].setdefault(key, item)
+        elif name == "_non_persistent_buffers_set":
+            own[name] |= value
+        elif "_hook" in name or name == "training" or name not in own:
+            own[name] = value
+
+
 def check_float8_compatible(module: nn.Linear, config: Float8LinearConfig, fqn: str) -> None:
-    """Raise a ValueError naming the layer if its float8 gemms cannot run."""
+    """Raise naming the layer if it is not an nn.Linear float8 can take over (TypeError) or its
+    float8 gemms cannot run (ValueError)."""
     name = f"'{fqn}'" if fqn else type(module).__name__
+    if not isinstance(module, nn.Linear):
+        raise TypeError(
+            f"{name}: Float8Linear.from_float takes an nn.Linear, got a "
+            f"{type(module).__name__}: only nn.Linear layers train in float8"
+        )
+    if parametrize.is_parametrized(module):
+        raise ValueError(
+            f"{name} is parametrized (weight_norm, spectral_norm, ...): its weight is "
+            "recomputed on every call, which a Float8Linear's plain weight parameter cannot do. "
+            "Leave this layer out with module_filter_fn, or remove the parametrization first "
+            "(torch.nn.utils.parametrize.remove_parametrizations)"
+        )
     check_device(module.weight.device, config, fqn)
     dtype = module.weight.dtype
     if dtype not in HP_DTYPES:

@@ -71,9 +71,10 @@ def _no_return_for_most(module: nn.Module, fqn: str) -> bool | None:
         (lambda module: True, r"module_filter_fn\(module\) cannot be called as"),
         (lambda: True, "cannot be called as module_filter_fn"),
         ("head", "is not callable"),
-        (_no_return_for_most, "returned None for 'blocks.0.attn.wq': return True"),
+        (_no_return_for_most, "returned None .* for 'blocks.0.attn.wq', not a bool: return True"),
+        (lambda module, fqn: "False", r"returned 'False' \(str\) for 'blocks.0.attn.wq'"),
     ],
-    ids=["one-parameter", "no-parameter", "not-callable", "returns-none"],
+    ids=["one-parameter", "no-parameter", "not-callable", "returns-none", "returns-a-string"],
 )
 def test_a_filter_that_cannot_answer_gets_a_clear_error(module_filter_fn, match):
     model = Model()
@@ -139,6 +140,59 @@ def test_converting_twice_changes_nothing():
     layers = [mod for mod in model.modules() if isinstance(mod, Float8Linear)]
     convert_to_float8_training(model, module_filter_fn=keep_head_out)
     assert [mod for mod in model.modules() if isinstance(mod, Float8Linear)] == layers
+
+
+def test_converting_again_with_another_config_is_refused():
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)))
+    rowwise = Float8LinearConfig.from_recipe_name("rowwise")
+    with pytest.raises(ValueError, match="'0' is a Float8Linear already, with another config"):
+        convert_to_float8_training(model, config=rowwise)
+    # An equal config (not the same object) is this call's config: nothing to do.
+    convert_to_float8_training(model, config=Float8LinearConfig())
+    assert all(layer.config == Float8LinearConfig() for layer in model)
+
+
+def test_the_new_layer_keeps_the_hooks_training_flag_and_subclass_state():
+    class Adapter(nn.Linear):  # a subclass without a forward of its own
+        def __init__(self) -> None:
+            super().__init__(32, 32)
+            self.rank = 4
+            self.extra = nn.Linear(32, 4, bias=False)
+            self.register_buffer("mask", torch.ones(32))
+
+    layer = Adapter().eval()
+    calls = []
+    pre = layer.register_forward_pre_hook(lambda module, args: (args[0] * 0,))
+    layer.register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    layer.register_full_backward_hook(lambda module, gi, go: calls.append("backward"))
+    layer.register_state_dict_post_hook(lambda module, sd, prefix, local: calls.append("sd"))
+    model = convert_to_float8_training(nn.Sequential(layer))
+    new = model[0]
+    assert type(new) is Float8Linear and not new.training
+    assert new.rank == 4 and new.extra is layer.extra and new.mask is layer.mask
+    assert set(new.state_dict()) == set(layer.state_dict()) == {
+        "weight", "bias", "mask", "extra.weight",
+    }  # fmt: skip
+    calls.clear()
+    x = torch.randn(16, 32, requires_grad=True)
+    out = new(x)
+    assert torch.equal(out, new.bias.detach().expand(16, 32))  # the pre-hook zeroed the input
+    out.sum().backward()
+    assert calls == ["Float8Linear", "backward"]
+    pre.remove()  # the handle from before the swap still removes the hook
+    assert not torch.equal(new(torch.randn(16, 32)), new.bias.detach().expand(16, 32))
+
+
+def test_a_parametrized_linear_is_refused_with_the_way_out():
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(32, 32)))
+    with pytest.raises(ValueError, match=r"'0' is parametrized .*remove_parametrizations"):
+        convert_to_float8_training(model)
+    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn != "0")
+
+
+def test_from_float_refuses_what_is_not_a_linear():
+    with pytest.raises(TypeError, match="takes an nn.Linear, got a Conv1d"):
+        Float8Linear.from_float(nn.Conv1d(32, 32, 1))
 
 
 def test_config_reaches_every_layer_and_repr_shows_it():
