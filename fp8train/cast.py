@@ -22,6 +22,7 @@ from fp8train.config import (
     Role,
     ScalingGranularity,
     ScalingType,
+    parse_enum,
 )
 from fp8train.kernels import (
     HAS_TRITON,
@@ -79,6 +80,8 @@ def to_float8(
             f"to_float8: hp of dtype {hp.dtype} is not float32, bfloat16 or float16, which "
             "float8 casts from: cast it to one of them first"
         )
+    granularity = parse_enum(ScalingGranularity, granularity)
+    _check_granularity_args(hp, granularity, reduce_dim, block)
     (fp8,) = cast_layouts(
         hp,
         float8_dtype,
@@ -89,6 +92,37 @@ def to_float8(
         round_scales_to_power_of_2=round_scales_to_power_of_2,
     )
     return fp8
+
+
+def _check_granularity_args(
+    hp: torch.Tensor,
+    granularity: ScalingGranularity,
+    reduce_dim: int | None,
+    block: tuple[int, int] | None,
+) -> None:
+    """A ValueError naming to_float8's argument that does not fit `granularity` and `hp`."""
+    if granularity is ScalingGranularity.ROWWISE and not (
+        isinstance(reduce_dim, int) and -hp.dim() <= reduce_dim < hp.dim()
+    ):
+        raise ValueError(
+            f"to_float8: rowwise scaling needs reduce_dim, the dim to take each amax along (a "
+            f"gemm's inner dim), within the tensor's {hp.dim()} dims; got {reduce_dim!r}"
+        )
+    if granularity is ScalingGranularity.BLOCKWISE:
+        if not (
+            isinstance(block, tuple)
+            and len(block) == 2
+            and all(isinstance(size, int) and size > 0 for size in block)
+        ):
+            raise ValueError(
+                f"to_float8: blockwise scaling needs block=(rows, cols), two positive ints such "
+                f"as (1, {BLOCK}) or ({BLOCK}, {BLOCK}); got {block!r}"
+            )
+        if hp.dim() != 2 or hp.shape[0] % block[0] or hp.shape[1] % block[1]:
+            raise ValueError(
+                f"to_float8: blockwise scaling takes a 2-D tensor whose dims the block "
+                f"{block} divides; got shape {tuple(hp.shape)}"
+            )
 
 
 def quantize(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
+import numbers
 from collections.abc import Iterable
 from typing import Literal
 
@@ -103,7 +103,12 @@ _DEFAULT_DTYPE: dict[Role, torch.dtype] = {
 }
 
 
-def _parse(enum_type: type[enum.Enum], value: object) -> enum.Enum:
+_FP32_TINY, _FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
+def parse_enum(enum_type: type[enum.Enum], value: object) -> enum.Enum:
+    """`value` as a member of `enum_type` (the member or its value); a ValueError listing the
+    choices otherwise."""
     try:
         return enum_type(value)
     except ValueError:
@@ -131,9 +136,9 @@ class CastConfig:
 
     def __post_init__(self) -> None:
         # Accept the enums' string values, as a config read from YAML or a CLI would give them.
-        object.__setattr__(self, "scaling_type", _parse(ScalingType, self.scaling_type))
+        object.__setattr__(self, "scaling_type", parse_enum(ScalingType, self.scaling_type))
         object.__setattr__(
-            self, "scaling_granularity", _parse(ScalingGranularity, self.scaling_granularity)
+            self, "scaling_granularity", parse_enum(ScalingGranularity, self.scaling_granularity)
         )
         stateful = self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC)
         if stateful and self.scaling_granularity is not ScalingGranularity.TENSORWISE:
@@ -142,14 +147,19 @@ class CastConfig:
                 "scaling_granularity='tensorwise', or dynamic scaling for rowwise and blockwise"
             )
         if self.scaling_type is ScalingType.STATIC:
-            if (
-                self.static_scale is None
-                or not math.isfinite(self.static_scale)
-                or self.static_scale <= 0
-            ):
+            scale = self.static_scale
+            if scale is not None and (not isinstance(scale, numbers.Real) or scale is True):
+                raise TypeError(
+                    f"CastConfig.static_scale={scale!r}: give a number, such as float8's "
+                    "largest value / the expected amax"
+                )
+            # The scale is an fp32 tensor: outside fp32's normal range it would round to 0 or
+            # inf (a NaN output), or its inverse would.
+            if scale is None or not _FP32_TINY <= scale <= _FP32_MAX:
                 raise ValueError(
-                    f"scaling_type='static' needs a finite, positive static_scale, got "
-                    f"{self.static_scale!r}"
+                    f"scaling_type='static' needs a finite, positive static_scale within "
+                    f"float32's range ({_FP32_TINY:.3g} to {_FP32_MAX:.3g}), which the cast "
+                    f"stores it in; got {scale!r}"
                 )
         elif self.static_scale is not None:
             raise ValueError(
@@ -276,7 +286,7 @@ def _kernel_roles(field: str, value: object, example: str, auto: bool = False) -
         raise ValueError(
             f"{field}={value!r}: give {choices} or a collection of roles, for example {example}"
         )
-    return frozenset(_parse(Role, role) for role in value)
+    return frozenset(parse_enum(Role, role) for role in value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,7 +517,7 @@ class Float8LinearConfig:
     ) -> Float8LinearConfig:  # noqa: ANN003
         """The config of a named recipe; keyword `overrides` replace fields of it (for example
         recompute_weight_cast=False)."""
-        recipe = _parse(Float8LinearRecipeName, name)
+        recipe = parse_enum(Float8LinearRecipeName, name)
         if recipe is Float8LinearRecipeName.TENSORWISE:
             return cls(**overrides)
         granularity = (
@@ -536,14 +546,14 @@ class Float8LinearConfig:
         try:
             return self._casts[(role, gemm)]
         except KeyError:
-            role, gemm = Role(role).value, Gemm(gemm).value
+            role, gemm = parse_enum(Role, role).value, parse_enum(Gemm, gemm).value
             raise ValueError(f"{role} is not an operand of the {gemm} gemm") from None
 
     def gemm_config(self, gemm: Gemm) -> Float8GemmConfig:
         try:
             return self._gemms[gemm]
         except KeyError:
-            _parse(Gemm, gemm)  # raises, listing the gemms
+            parse_enum(Gemm, gemm)  # raises, listing the gemms
             raise
 
 

@@ -35,10 +35,11 @@ On other GPUs the other constants are a guess: pass your own, or measure with
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -72,6 +73,22 @@ class CostModel:
     """Host time of an eager nn.Linear's fwd+bwd, seconds (an H100 host's)."""
     compiled_overhead_s: float = 20e-6
     """What a compiled float8 layer adds to its GPU time, seconds."""
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            rate = field.name.endswith(("_flops", "_per_s"))  # divided by: must not be 0
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or value < 0
+                or (rate and value == 0)
+            ):
+                raise ValueError(
+                    f"CostModel.{field.name}={value!r}: give a finite number, "
+                    + ("above 0 (a rate)" if rate else "0 or more (seconds)")
+                )
 
     @classmethod
     def measure_host(
@@ -173,6 +190,15 @@ def auto_filter(
     precision at `tokens` tokens per step (batch * sequence length per micro-batch).
     `compiled`: whether the model runs under torch.compile (eager float8 layers carry a host
     cost of their own). `also`: a second filter that must agree (say, to leave out lm_head)."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        raise ValueError(
+            f"auto_filter(tokens={tokens!r}): give the tokens per step, a positive int "
+            "(batch size * sequence length of one micro-batch)"
+        )
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin <= 0:
+        raise ValueError(f"auto_filter(margin={margin!r}): give a positive number, such as 1.05")
+    if model is not None and not isinstance(model, CostModel):
+        raise TypeError(f"auto_filter(model=...) takes a CostModel, got a {type(model).__name__}")
     config = config_or_default(config)
     model = model or CostModel()
 

@@ -19,4 +19,5 @@ def compute_error(reference: torch.Tensor, actual: torch.Tensor) -> torch.Tensor
     reference, actual = reference.float(), actual.float()
     signal = torch.linalg.vector_norm(reference)
     noise = torch.linalg.vector_norm(reference - actual)
-    return 20 * torch.log10(signal / noise)
+    # Equal tensors: no noise, inf (0 / 0 would be NaN where both are zero).
+    return torch.where(noise == 0, torch.inf, 20 * torch.log10(signal / noise))

@@ -191,3 +191,19 @@ def test_an_empty_tensor_casts_to_an_empty_float8_tensor_with_finite_scales(
 def test_to_float8_refuses_what_it_cannot_cast_by_name(hp, float8_dtype, error, match):
     with pytest.raises(error, match=match):
         to_float8(hp, float8_dtype)
+
+
+def test_to_float8_takes_granularity_names_and_names_a_missing_or_bad_argument():
+    hp = torch.randn(128, 256)
+    assert to_float8(hp, E4M3, "tensorwise")._scale.shape == ()
+    assert to_float8(hp, E4M3, "blockwise", block=(1, 128))._scale.shape == (128, 2)
+    with pytest.raises(ValueError, match="'tensorwize' is not a ScalingGranularity"):
+        to_float8(hp, E4M3, "tensorwize")
+    with pytest.raises(ValueError, match="rowwise scaling needs reduce_dim.*got None"):
+        to_float8(hp, E4M3, "rowwise")
+    with pytest.raises(ValueError, match="within the tensor's 2 dims; got 5"):
+        to_float8(hp, E4M3, "rowwise", reduce_dim=5)
+    with pytest.raises(ValueError, match=r"blockwise scaling needs block=\(rows, cols\)"):
+        to_float8(hp, E4M3, "blockwise")
+    with pytest.raises(ValueError, match=r"whose dims the block \(128, 128\) divides"):
+        to_float8(torch.randn(2, 128, 256), E4M3, "blockwise", block=(128, 128))

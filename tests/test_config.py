@@ -179,5 +179,12 @@ def test_cast_config_rejects_a_role_outside_the_gemm():
         Float8LinearConfig().cast_config(Role.WEIGHT, Gemm.GRAD_WEIGHT)
 
 
+def test_cast_config_lists_the_roles_and_gemms_for_a_misspelt_name():
+    with pytest.raises(ValueError, match="'inpt' is not a Role: choose one of 'input'"):
+        Float8LinearConfig().cast_config("inpt", "output")
+    with pytest.raises(ValueError, match="'out' is not a Gemm: choose one of 'output'"):
+        Float8LinearConfig().cast_config("input", "out")
+
+
 def test_gemm_config_default():
     assert Float8GemmConfig().use_fast_accum is False

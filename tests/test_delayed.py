@@ -83,8 +83,11 @@ def test_training_without_a_sync_warns_once(sync, monkeypatch):
 def test_invalid_combinations_are_refused():
     with pytest.raises(ValueError, match="keeps one scale per tensor"):
         CastConfig(scaling_type="delayed", scaling_granularity="rowwise")
-    with pytest.raises(ValueError, match="needs a finite, positive static_scale"):
-        CastConfig(scaling_type="static")
+    for scale in (None, 0.0, -1.0, float("inf"), 1e-50, 1e300):  # 0 or inf in fp32 too
+        with pytest.raises(ValueError, match="needs a finite, positive static_scale within"):
+            CastConfig(scaling_type="static", static_scale=scale)
+    with pytest.raises(TypeError, match=r"static_scale='2.0': give a number"):
+        CastConfig(scaling_type="static", static_scale="2.0")
     with pytest.raises(ValueError, match="set scaling_type='static'"):
         CastConfig(static_scale=2.0)
     with pytest.raises(ValueError, match="give both gemms the same cast"):

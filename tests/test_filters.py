@@ -89,3 +89,31 @@ def test_measure_host_without_a_gpu_says_what_to_do(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="none is available: pass device="):
         CostModel.measure_host()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tokens": 0}, r"tokens=0\): give the tokens per step, a positive int"),
+        ({"tokens": "16"}, r"tokens='16'\)"),
+        ({"tokens": 2.5}, r"tokens=2.5\)"),
+        ({"tokens": 16, "margin": None}, r"margin=None\): give a positive number"),
+    ],
+)
+def test_auto_filter_refuses_what_is_not_a_token_count_or_margin(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        auto_filter(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fp8_flops": 0}, "fp8_flops=0: give a finite number, above 0"),
+        ({"hp_flops": -1.0}, "hp_flops=-1.0: give a finite number, above 0"),
+        ({"eager_cpu_s": float("nan")}, "eager_cpu_s=nan: give a finite number, 0 or more"),
+    ],
+)
+def test_cost_model_refuses_rates_and_times_that_would_divide_by_zero_or_mislead(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel(**kwargs)
+    assert CostModel(eager_cpu_s=0.0).eager_cpu_s == 0.0  # no host time: allowed

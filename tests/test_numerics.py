@@ -21,6 +21,11 @@ def test_equal_tensors_are_infinite():
     assert math.isinf(compute_error(x, x.clone()).item())
 
 
+def test_equal_zero_tensors_are_infinite_not_nan():
+    assert compute_error(torch.zeros(4), torch.zeros(4)).item() == math.inf
+    assert compute_error(torch.zeros(4), torch.ones(4)).item() == -math.inf
+
+
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="one shape"):
         compute_error(torch.randn(3), torch.randn(4))
