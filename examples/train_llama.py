@@ -52,6 +52,7 @@ from fp8train import cast_weights_once, sync_float8_amax_and_scale_history
 from fp8train.data import CORPORA, batches, eval_batches, load_text_tokens, train_val_split
 from fp8train.demo import (
     DTYPES,
+    FLOAT16_PARAMETERS,
     evaluate,
     lm_loss,
     misaligned_tokens,
@@ -282,6 +283,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(
             f"--warmup-steps {args.warmup_steps}: give 1 to --steps ({args.steps}), or leave it "
             "out for 5% of the steps"
+        )
+    if DTYPES[args.dtype] == torch.float16 and not args.master_weights:
+        raise SystemExit(
+            f"--dtype float16: {FLOAT16_PARAMETERS}: give --dtype bfloat16, or add "
+            "--master-weights (fp32 parameters under a float16 forward; no loss scaling)"
         )
     if args.master_weights and DTYPES[args.dtype] == torch.float32:
         raise SystemExit(

@@ -43,6 +43,11 @@ FINAL_LOSS_STEPS = 10
 """The final train loss is the mean over this many last steps: one batch's loss is noisy."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT16_PARAMETERS = (
+    "AdamW cannot train float16 parameters without fp32 master weights and loss scaling (its "
+    "eps, 1e-8, and the squares of small gradients are 0 in float16: the first step makes "
+    "inf weights and every loss NaN)"
+)
 
 
 # Defaults per device type: on the CPU the demo must finish in well under 2 minutes on two
@@ -71,6 +76,8 @@ def usable_device(name: str, command: str = "demo") -> torch.device:
     try:
         device = torch.device(name)
         torch.empty(1, device=device)
+        if device.type == "meta":
+            raise ValueError("meta tensors hold no data to train on")
     except (RuntimeError, AssertionError, ValueError) as error:
         reason = str(error).strip().splitlines()[0]
         if len(reason) > 160:  # torch's backend errors list every dispatch key: the gist
@@ -343,6 +350,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if not math.isfinite(args.lr) or args.lr <= 0:
         fail(f"--lr {args.lr}: give a positive learning rate")
+    if args.dtype == "float16":
+        fail(f"--dtype float16: {FLOAT16_PARAMETERS}: give bfloat16 or float32")
     if args.dim % ALIGNMENT:
         fail(
             f"--dim {args.dim} is not a multiple of {ALIGNMENT}, which float8 gemms need: "
@@ -384,8 +393,14 @@ def run_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
     train_tokens, val_tokens = train_val_split(load_text_tokens())
     # Long sequences fit fewer validation windows into the held-out text: use what fits.
     fits = len(val_tokens) // (args.batch_size * (args.seq_len + 1))
+    if not fits:
+        raise SystemExit(
+            f"fp8train demo: --batch-size {args.batch_size} x (--seq-len {args.seq_len} + 1) "
+            f"tokens a batch is more than the {len(val_tokens)} held-out validation tokens: "
+            "give a smaller --seq-len or --batch-size"
+        )
     val_batches = eval_batches(
-        val_tokens, args.batch_size, args.seq_len, max(1, min(args.eval_batches, fits))
+        val_tokens, args.batch_size, args.seq_len, min(args.eval_batches, fits)
     )
     model_args = ModelArgs(
         dim=args.dim, n_layers=args.n_layers, ffn_dim=llama_ffn_dim(args.dim),

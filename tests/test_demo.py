@@ -72,6 +72,9 @@ def _replace(argv: list[str], option: str, value: str) -> list[str]:
         ("--lr", "nan", "--lr nan: give a positive learning rate"),
         ("--device", "nodevice", "--device nodevice cannot be used here"),
         ("--device", "cuda:99", "--device cuda:99 cannot be used here"),
+        ("--device", "meta", "--device meta cannot be used here .meta tensors hold no data"),
+        ("--dtype", "float16", "--dtype float16: AdamW cannot train float16 parameters"),
+        ("--seq-len", "100000", r"--seq-len 100000 \+ 1\) tokens a batch is more than the"),
     ],
 )
 def test_demo_refuses_settings_it_cannot_run_naming_the_option(option, value, match):

@@ -539,6 +539,8 @@ def test_master_weights_keep_fp32_parameters_under_bf16_autocast(tmp_path, monke
 def test_master_weights_are_refused_for_fp32_and_not_mixed_in_a_summary(tmp_path):
     with pytest.raises(SystemExit, match="--dtype float32 has fp32 parameters already"):
         run(tmp_path, "--dtype", "float32", "--master-weights", "--steps", "1")
+    with pytest.raises(SystemExit, match="--dtype float16: AdamW cannot train float16"):
+        run(tmp_path, "--dtype", "float16", "--steps", "1")
     plain = _run_record(tmp_path / "a.json", "bfloat16", [("bf16", 0, 2.0)])
     master = _run_record(tmp_path / "b.json", "bfloat16", [("bf16", 1, 2.0)],
                          master_weights=True)  # fmt: skip
