@@ -294,6 +294,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
     so every rank casts with the same scales. Call it on the model FSDP/DDP wrapped."""
     from fp8train.linear import Float8Linear
 
+    require_module(model, "sync_float8_amax_and_scale_history")
     groups: dict[tuple, list[tuple[str, Role, DelayedState, CastConfig, bool]]] = {}
     owners: dict[tuple, list[nn.Module]] = {}
     for fqn, module in model.named_modules():
@@ -459,8 +460,23 @@ def _stack_padded(histories: list[torch.Tensor]) -> torch.Tensor:
     )  # fmt: skip
 
 
+def require_module(model: object, caller: str) -> None:
+    """A TypeError naming `caller` for a model that is not an nn.Module (a list of model parts,
+    a state_dict), before an AttributeError from inside it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{caller} takes the model (an nn.Module), got a {type(model).__name__}: for "
+            "several model parts, call it once per part"
+        )
+
+
 def strip_float8_state(state_dict: dict) -> dict:
     """`state_dict` without the delayed-scaling buffers: what the unconverted model loads."""
+    if isinstance(state_dict, nn.Module):
+        raise TypeError(
+            f"strip_float8_state takes a state_dict, got a {type(state_dict).__name__}: pass "
+            "model.state_dict()"
+        )
     return {k: v for k, v in state_dict.items() if not _is_float8_state(k)}
 
 

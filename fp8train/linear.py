@@ -80,6 +80,8 @@ class Float8Linear(nn.Linear):
             install_pass_for(self.config)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor):
+            check_operands(input, self.weight, self.fqn)  # raises, naming the type
         device_type = input.device.type
         # Autocast knows no meta device (shape-only runs of a model built on it): it raises.
         autocast = device_type != "meta" and torch.is_autocast_enabled(device_type)

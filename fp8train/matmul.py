@@ -26,7 +26,12 @@ from fp8train.config import (
     config_or_default,
 )
 from fp8train.delayed import DelayedState, stateful_scale
-from fp8train.gemm import grad_weight_tokens_misaligned, misaligned_message, scaled_mm
+from fp8train.gemm import (
+    ALIGNMENT,
+    grad_weight_tokens_misaligned,
+    misaligned_message,
+    scaled_mm,
+)
 from fp8train.policy import (
     BACKWARD_GEMM,
     Observer,
@@ -359,6 +364,11 @@ def check_operands(input: torch.Tensor, weight: torch.Tensor, fqn: str = "") -> 
     or if they do not make `input @ weight.T` (ValueError), before any cast or gemm would fail
     inside torch. `fqn` is read only to raise: torch.compile would otherwise guard on the
     string, and every layer of a block compiled once would compile its own copy."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(
+            f"{_operands_of(fqn)}: input is a {type(input).__name__}, not a torch.Tensor: "
+            "convert it first (torch.as_tensor)"
+        )
     if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
         # Its autograd.Functions keep float8 casts on ctx, which torch.func cannot transform.
         raise RuntimeError(
@@ -409,6 +419,14 @@ def float8_matmul(
     check_operands(input, weight, fqn)
     if input.numel() == 0:
         return empty_product(input, weight)
+    (n, k), exempt = weight.shape, config.emulate or config.pad_inner_dim
+    bad = [f"{dim}={size}" for dim, size in (("K", k), ("N", n)) if size % ALIGNMENT]
+    if bad and not exempt:
+        raise ValueError(
+            f"{_operands_of(fqn)}: weight {tuple(weight.shape)} has {' and '.join(bad)}, not a "
+            f"multiple of {ALIGNMENT}, which float8 gemms need: set pad_inner_dim=True in "
+            "Float8LinearConfig, or pad the operands"
+        )
     if tokens_misaligned(input, weight, config):
         raise ValueError(
             misaligned_message(

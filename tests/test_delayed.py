@@ -696,6 +696,17 @@ def test_compiled_tied_layers_train_as_eager():
         assert torch.equal(a, b)
 
 
+def test_model_functions_name_what_they_take_when_given_something_else():
+    from fp8train import precompute_float8_dynamic_scale_for_fsdp, strip_float8_state
+
+    parts = [nn.Linear(32, 32), nn.Linear(32, 32)]
+    for function in (sync_float8_amax_and_scale_history, precompute_float8_dynamic_scale_for_fsdp):
+        with pytest.raises(TypeError, match=f"{function.__name__} takes the model .*got a list"):
+            function(parts)
+    with pytest.raises(TypeError, match=r"takes a state_dict, got a Linear: pass model.state_d"):
+        strip_float8_state(parts[0])
+
+
 def test_tying_refuses_what_it_cannot_tie():
     from fp8train import tie_delayed_input_scales
 

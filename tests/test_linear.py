@@ -295,8 +295,12 @@ def test_float8_matmul_is_a_bias_free_float8_linear():
         (torch.randn(16, 64), torch.randn(64, 48), ValueError, r"\(16, 64\) and weight \(64, 48\)"),
         (torch.randn(16, 64), torch.randn(48, 64, 1), ValueError, r"give a weight \(N, K\)"),
         (torch.randn(16, 64).double(), torch.randn(48, 64), TypeError, "float64 is not"),
+        (torch.randn(16, 100), torch.randn(48, 100), ValueError,
+         r"float8 matmul: weight \(48, 100\) has K=100, not a multiple of 16.*pad the operands"),
+        (torch.randn(16, 64).numpy(), torch.randn(48, 64), TypeError,
+         "input is a ndarray, not a torch.Tensor"),
     ],
-)
+)  # fmt: skip
 def test_float8_matmul_refuses_bad_operands_by_name(x, weight, error, match):
     from fp8train import float8_matmul
 
@@ -311,6 +315,12 @@ def test_an_input_of_the_wrong_width_is_refused_naming_the_layer(shape):
         ValueError, match=re.escape(f"'blocks.0.ffn.w1': input {tuple(shape)} and weight (48, 64)")
     ):
         layer(torch.randn(shape))
+
+
+def test_an_input_that_is_not_a_tensor_is_refused_naming_its_type():
+    layer = Float8Linear(64, 48, fqn="blocks.0.ffn.w1")
+    with pytest.raises(TypeError, match="'blocks.0.ffn.w1': input is a list, not a torch.Tensor"):
+        layer([[0.0] * 64] * 16)
 
 
 def test_float8_matmul_of_no_tokens_is_empty_with_a_zero_weight_gradient():

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map_only
 
 from fp8train.cast import quantize
 from fp8train.config import E4M3, CastConfig, Gemm, Role, ScalingGranularity, ScalingType
-from fp8train.delayed import role_state
+from fp8train.delayed import require_module, role_state
 from fp8train.scaling import amax_to_scale
 from fp8train.tensor import Float8Tensor
 
@@ -217,6 +217,7 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
     own. Without it each weight's scale is computed at its all-gather."""
     from torch.distributed.tensor import DTensor
 
+    require_module(model, "precompute_float8_dynamic_scale_for_fsdp")
     # Delayed and static weights have their scale already (fp8train.delayed).
     weights = [
         module.weight
