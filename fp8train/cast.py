@@ -80,7 +80,8 @@ def to_float8(
             f"to_float8: hp of dtype {hp.dtype} is not float32, bfloat16 or float16, which "
             "float8 casts from: cast it to one of them first"
         )
-    granularity = parse_enum(ScalingGranularity, granularity)
+    if not isinstance(granularity, ScalingGranularity):  # a name ("rowwise"); dynamo cannot
+        granularity = parse_enum(ScalingGranularity, granularity)  # construct an enum
     _check_granularity_args(hp, granularity, reduce_dim, block)
     (fp8,) = cast_layouts(
         hp,
