@@ -62,7 +62,9 @@ def scaled_mm(
         if block_scaled_gemm_runs(a, b, out_dtype):
             return _block_scaled_mm(a, b, out_dtype)
         emulate = True  # no block-scaled gemm here (CPU, not sm90, CUDA < 12.9, fp16 output)
-    if emulate or (a._data.device.type == "cpu" and not _CPU_ROWWISE and a._scale.numel() > 1):
+    # Rowwise by granularity, not by the scale's size: one token's rowwise scale is (1, 1).
+    rowwise = a._granularity is ScalingGranularity.ROWWISE
+    if emulate or (a._data.device.type == "cpu" and not _CPU_ROWWISE and rowwise):
         out = torch.mm(a.to_hp(torch.float32), b.to_hp(torch.float32)).to(out_dtype)
         # torch 2.11's dynamo traced the backward of an autograd.Function whose forward
         # returns this mm itself (fp32 out, no copy) with zeros for grad_output: every

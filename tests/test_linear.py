@@ -191,6 +191,29 @@ def test_without_a_backward_any_token_count_runs(device, recipe, no_backward, co
         layer(torch.randn(7, 64, device=device))  # with a backward to come, forward refuses
 
 
+def test_one_token_rowwise_on_a_cpu_without_rowwise_gemms_is_emulated(monkeypatch):
+    """Before torch 2.13 the CPU's _scaled_mm takes no rowwise scales: fp8train emulates those
+    gemms there. One token's rowwise scale has one element, yet it is rowwise all the same."""
+    import fp8train.gemm
+
+    monkeypatch.setattr(fp8train.gemm, "_CPU_ROWWISE", False)
+    tensorwise_only = torch._scaled_mm
+
+    def scaled_mm(a, b, scale_a, scale_b, **kwargs):  # noqa: ANN001, ANN202, ANN003
+        if scale_a.dim() or scale_b.dim():  # torch 2.11's CPU check, roughly
+            raise RuntimeError("rowwise scales on the CPU")
+        return tensorwise_only(a, b, scale_a, scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    reference = nn.Linear(64, 48)
+    layer = Float8Linear.from_float(
+        copy.deepcopy(reference), Float8LinearConfig.from_recipe_name("rowwise")
+    )
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        assert compute_error(reference(x), layer(x)) >= OUTPUT_SQNR
+
+
 def test_emulation_needs_no_alignment():
     layer = Float8Linear(100, 37, config=Float8LinearConfig(emulate=True))
     layer(torch.randn(7, 100)).sum().backward()
