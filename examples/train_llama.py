@@ -38,6 +38,7 @@ from tqdm import tqdm
 from benchmarks.utils import environment, inductor_options
 from examples.e2e_report import (
     BASE_NAMES,
+    base_label,
     caption_of,
     caption_of_files,
     load_runs,
@@ -406,10 +407,11 @@ def main(args: argparse.Namespace) -> list[dict]:
             ):
                 rows.append(train(name, initial, data, args, seed))
             row = rows[-1]
+            peak = row["peak_memory_gib"]  # None off a GPU: no allocator statistics
             print(
-                f"{name} (seed {seed}): {row['tokens_per_s']:.0f} tokens/s, peak "
-                f"{row['peak_memory_gib']} GiB, final train loss {row['final_train_loss']:.4f}, "
-                f"val loss {row['val_loss']:.4f}",
+                f"{base_label(name, base_name)} (seed {seed}): {row['tokens_per_s']:.0f} "
+                f"tokens/s, peak {'n/a' if peak is None else f'{peak:.2f} GiB'}, final train "
+                f"loss {row['final_train_loss']:.4f}, val loss {row['val_loss']:.4f}",
                 flush=True,
             )
             if args.json:  # after every run, so that an interrupted comparison keeps its runs

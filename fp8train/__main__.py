@@ -87,7 +87,8 @@ def _add_checkout_command(
     if command != selected:
         return
     module = _from_checkout(module_name)
-    if module is None:
+    if module is None:  # its options are unknown here: --help and any option say why
+        parser.description = f"{description}. {_NOT_INSTALLED}"
         parser.set_defaults(func=_no_benchmarks)
     else:
         module.add_arguments(parser)
@@ -105,12 +106,14 @@ def _from_checkout(name: str):  # noqa: ANN202
         return None
 
 
+_NOT_INSTALLED = (
+    "The benchmarks and examples live in the repository's benchmarks/ and examples/ folders, "
+    "which are not installed with the package: run this from the root of a checkout"
+)
+
+
 def _no_benchmarks(args: argparse.Namespace) -> None:
-    raise SystemExit(
-        f"{args.command}: the benchmarks and examples live in the repository's benchmarks/ and "
-        "examples/ folders, which are not installed with the package: run this from the root "
-        "of a checkout"
-    )
+    raise SystemExit(f"{args.command}: {_NOT_INSTALLED[0].lower()}{_NOT_INSTALLED[1:]}")
 
 
 def _print_env(args: argparse.Namespace) -> None:
@@ -124,7 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The command is the first word that is not an option (the top level has only --help).
     command = next((word for word in argv if not word.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.func is not _no_benchmarks:  # outside a checkout: say that instead
+        parser.parse_args(argv)  # argparse's own error for the unknown options
     args.func(args)
     return 0
 

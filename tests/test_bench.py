@@ -707,12 +707,19 @@ def test_result_headers_name_the_ptxas_after_its_adoption(monkeypatch):
 
 
 @pytest.mark.parametrize("command", ["bench-memory", "train-llama", "scorecard"])
-def test_checkout_commands_outside_a_checkout_say_where_they_live(command, monkeypatch):
+def test_checkout_commands_outside_a_checkout_say_where_they_live(command, monkeypatch, capsys):
     import fp8train.__main__ as cli
 
     monkeypatch.setattr(cli, "_from_checkout", lambda name: None)
     with pytest.raises(SystemExit, match="run this from the root of a checkout"):
         cli.main([command])
+    # With options, which only the checkout's module knows: the same message, not argparse's.
+    with pytest.raises(SystemExit, match="run this from the root of a checkout"):
+        cli.main([command, "--device", "cpu", "--steps", "3"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "run this from the root of a checkout" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize(
