@@ -55,7 +55,8 @@ def blockwise_tokens_misaligned(
     input: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig
 ) -> bool:
     """True if blockwise scaling of the grad_weight gemm (blocks of BLOCK tokens) cannot take
-    this input's number of tokens."""
+    this input's number of tokens. Without a weight gradient to come (no_grad, inference_mode,
+    a frozen weight) nothing is cast along the tokens: any count runs."""
     cast = config.cast_config(Role.INPUT, Gemm.GRAD_WEIGHT)
     tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
     # The config first: under dynamic shapes `tokens % BLOCK` is a guard, which a layer
@@ -64,6 +65,7 @@ def blockwise_tokens_misaligned(
         cast.enabled
         and cast.scaling_granularity is ScalingGranularity.BLOCKWISE
         and weight.requires_grad
+        and torch.is_grad_enabled()
         and tokens % BLOCK
     )
 

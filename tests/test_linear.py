@@ -191,6 +191,21 @@ def test_without_a_backward_any_token_count_runs(device, recipe, no_backward, co
         layer(torch.randn(7, 64, device=device))  # with a backward to come, forward refuses
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_blockwise_without_a_weight_gradient_takes_any_token_count(device):
+    """Only the grad_weight gemm's casts run along the tokens in blocks of 128."""
+    reference = nn.Linear(128, 256, device=device)
+    layer = Float8Linear.from_float(
+        copy.deepcopy(reference), Float8LinearConfig.from_recipe_name("blockwise")
+    )
+    for tokens in (1, 7, 130):
+        x = torch.randn(tokens, 128, device=device)
+        with torch.no_grad():
+            assert compute_error(reference(x), layer(x)) >= OUTPUT_SQNR
+    with pytest.raises(ValueError, match="=7 is not a multiple of 128"):
+        layer(torch.randn(7, 128, device=device))  # a weight gradient to come: refused
+
+
 def test_one_token_rowwise_on_a_cpu_without_rowwise_gemms_is_emulated(monkeypatch):
     """Before torch 2.13 the CPU's _scaled_mm takes no rowwise scales: fp8train emulates those
     gemms there. One token's rowwise scale has one element, yet it is rowwise all the same."""
