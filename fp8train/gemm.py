@@ -117,7 +117,8 @@ def _has_block_scaled_gemm(device_index: int | None) -> bool:
 def block_scaled_gemm_runs(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> bool:
     """True where torch's block-scaled gemm (cuBLAS, DeepSeek-V3's scaling) takes `a @ b`:
     sm90 with CUDA >= 12.9, bf16 or fp32 output, `a` in 1 x BLOCK blocks along K and `b` in
-    BLOCK x BLOCK blocks or BLOCK x 1 blocks along K. Elsewhere blockwise gemms are emulated."""
+    BLOCK x BLOCK blocks or BLOCK x 1 blocks along K, every dim a multiple of BLOCK.
+    Elsewhere blockwise gemms are emulated."""
     if not (
         a._data.is_cuda
         and out_dtype in (torch.bfloat16, torch.float32)
@@ -128,6 +129,9 @@ def block_scaled_gemm_runs(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dt
     blocks = k // BLOCK
     return (
         b._granularity is ScalingGranularity.BLOCKWISE
+        # Training's gemms have multiples of BLOCK rows (the tokens, checked in forward); other
+        # row counts (evaluation) have not run through cuBLAS's block-scaled gemm here yet.
+        and m % BLOCK == 0
         and k % BLOCK == 0
         and tuple(a._scale.shape) == (m, blocks)
         and tuple(b._scale.shape) in ((blocks, n // BLOCK), (blocks, n))
