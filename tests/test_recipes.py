@@ -87,7 +87,7 @@ def test_blockwise_keeps_the_float8_input_in_blocks_along_the_tokens():
     layer = Float8Linear(K, N, bias=False, config=Float8LinearConfig.from_recipe_name("blockwise"))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = layer(torch.randn(M, K))
+        out = layer(torch.randn(M, K, requires_grad=True))
     out.sum().backward()
     # The input for the grad_weight gemm: 128 x 1 blocks (along M), one scale each; the
     # weight parameter itself (its 128 x 128 cast is recomputed in backward).
