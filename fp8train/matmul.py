@@ -277,7 +277,7 @@ def linear_mm(
         weight_for_output, weight_for_backward = forward_operands(
             weight, Role.WEIGHT, config, observer, state.get(Role.WEIGHT), keeps[1]
         )
-    if isinstance(weight, Float8Tensor) and backward and torch.compiler.is_compiling():
+    if isinstance(weight, Float8Tensor) and keeps[1] and torch.compiler.is_compiling():
         weight_for_backward = relaid_in_backward(weight, Role.WEIGHT)
     if not backward:
         a = input_2d if input_for_output is None else input_for_output
