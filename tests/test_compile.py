@@ -743,3 +743,23 @@ def test_inductor_recasts_every_input_of_a_llama_block_in_backward():
     }
     assert kept["fp8"]["float8 MiB"] == 0
     assert kept["fp8"]["kept MiB"] < kept["bf16"]["kept MiB"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_frozen_weight_compiles_and_gives_the_eager_input_gradient(recipe):
+    """A frozen layer (fine-tuning) keeps nothing of its input for backward: compiled, the
+    input's gradient and the bias's are eager's."""
+    torch._dynamo.reset()
+    layer = Float8Linear.from_float(
+        torch.nn.Linear(64, 48), Float8LinearConfig.from_recipe_name(recipe)
+    )
+    layer.weight.requires_grad_(False)
+    compiled_layer = copy.deepcopy(layer)
+    compiled = torch.compile(compiled_layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(32, 64, requires_grad=True)
+    x_compiled = x.detach().clone().requires_grad_()
+    layer(x).pow(2).sum().backward()
+    compiled(x_compiled).pow(2).sum().backward()
+    torch.testing.assert_close(x_compiled.grad, x.grad)
+    torch.testing.assert_close(compiled_layer.bias.grad, layer.bias.grad)
+    assert layer.weight.grad is None and compiled_layer.weight.grad is None
