@@ -783,3 +783,29 @@ def test_find_shared_inputs_groups_the_layers_that_read_one_tensor_and_leaves_no
     model.layers[0] = torch.compile(model.layers[0])
     with pytest.raises(ValueError, match="before compiling"):
         find_shared_inputs(model, torch.randint(0, 64, (2, 16)))
+
+
+def test_activation_checkpointing_records_the_same_history_and_scales():
+    """The recomputed forward records its amaxes again: the same maxima, the same state."""
+    from torch.utils.checkpoint import checkpoint
+
+    config = delayed_config()
+    torch.manual_seed(0)
+    plain = convert_to_float8_training(
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), config=config
+    )
+    checkpointed = copy.deepcopy(plain)
+    for step in range(3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        for model, run in (
+            (plain, plain),
+            (checkpointed, lambda x: checkpoint(checkpointed, x, use_reentrant=False)),
+        ):
+            run(x.clone().requires_grad_()).pow(2).mean().backward()
+            sync_float8_amax_and_scale_history(model)
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter -= 0.1 * parameter.grad
+                    parameter.grad = None
+    for key, value in plain.state_dict().items():
+        assert torch.equal(checkpointed.state_dict()[key], value), key
