@@ -19,12 +19,18 @@ ALIGNMENT = 16
 """torch._scaled_mm on CUDA needs the inner dim and the output columns to be multiples of 16."""
 
 
+def weight_gradient_follows(weight: torch.Tensor) -> bool:
+    """True if backward will compute `weight`'s gradient (the grad_weight gemm): not under
+    no_grad or inference_mode, nor for a frozen weight."""
+    return weight.requires_grad and torch.is_grad_enabled()
+
+
 def grad_weight_tokens_misaligned(input: torch.Tensor, weight: torch.Tensor) -> bool:
     """True if a weight gradient will follow and the number of tokens, that gemm's inner dim,
-    is not a multiple of ALIGNMENT. Without one (no_grad, inference_mode, a frozen weight) no
-    gemm minds the token count: the output and grad_input gemms take any number of rows."""
+    is not a multiple of ALIGNMENT. Without one no gemm minds the token count: the output and
+    grad_input gemms take any number of rows."""
     tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
-    return bool(weight.requires_grad and torch.is_grad_enabled() and tokens % ALIGNMENT)
+    return bool(weight_gradient_follows(weight) and tokens % ALIGNMENT)
 
 
 # torch._scaled_mm on the CPU takes rowwise scales from torch 2.13 on; before, an internal

@@ -31,6 +31,7 @@ from fp8train.gemm import (
     grad_weight_tokens_misaligned,
     misaligned_message,
     scaled_mm,
+    weight_gradient_follows,
 )
 from fp8train.policy import (
     BACKWARD_GEMM,
@@ -64,8 +65,7 @@ def blockwise_tokens_misaligned(
     return bool(
         cast.enabled
         and cast.scaling_granularity is ScalingGranularity.BLOCKWISE
-        and weight.requires_grad
-        and torch.is_grad_enabled()
+        and weight_gradient_follows(weight)
         and tokens % BLOCK
     )
 
@@ -265,8 +265,7 @@ def linear_mm(
     # Evaluation, no_grad, inference: no backward, so nothing is cast or kept for it. Backward
     # reads the input only for the weight's gradient and the weight only for the input's: a
     # frozen weight keeps no input, an input without a gradient no weight.
-    grad = torch.is_grad_enabled()
-    keeps = (grad and weight.requires_grad, grad and input.requires_grad)
+    keeps = (weight_gradient_follows(weight), torch.is_grad_enabled() and input.requires_grad)
     backward = any(keeps)
     input_for_output, input_for_backward = shared_input_operands(
         input, input_2d, config, observer, state.get(Role.INPUT), keeps[0]
